@@ -1,0 +1,78 @@
+"""Expert weights (routed and shared) and the plain-PyTorch expert MLP.
+
+Shape legend: E experts (El on this rank), D model dim, H expert hidden dim, R rows.
+Parameter names and shapes match TorchTitan 0.2.2 (``experts.w1/w2/w3``,
+``shared_experts.w1/w2/w3.weight``) so state dicts and checkpoints are interchangeable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from uniep.init import trunc_normal_
+
+
+class GroupedExperts(nn.Module):
+    """Routed experts: ``w1`` (E, H, D), ``w2`` (E, D, H), ``w3`` (E, H, D).
+
+    ``num_experts`` is the global count even when only a slice is stored locally.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (El, ...) slices as plain tensors (expert-parallel shards are DTensors)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w1, std=0.02)
+        trunc_normal_(self.w2, std=init_std)
+        trunc_normal_(self.w3, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP used for the shared experts: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w1.weight, std=0.02)
+        trunc_normal_(self.w2.weight, std=init_std)
+        trunc_normal_(self.w3.weight, std=init_std)
+
+
+def expert_mlp_torch(
+    rows_RD: torch.Tensor,
+    rows_per_expert: list[int],
+    w1_EHD: torch.Tensor,
+    w2_EDH: torch.Tensor,
+    w3_EHD: torch.Tensor,
+) -> torch.Tensor:
+    """(R, D): SwiGLU MLP of each expert over its contiguous block of rows.
+
+    One matmul per expert over all of its rows: the weight gradient of an expert sums its
+    rows in plan order inside one GEMM, never split across launches.
+    """
+    outputs = []
+    for e, rows in enumerate(torch.split(rows_RD, rows_per_expert)):
+        w1, w2, w3 = (w[e].to(rows_RD.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
+        h = F.silu(rows @ w1.t()) * (rows @ w3.t())
+        outputs.append(h @ w2.t())
+    if not outputs:
+        return rows_RD.new_empty(0, w2_EDH.shape[1])
+    return torch.cat(outputs)

@@ -1,0 +1,227 @@
+"""UniEPMoE: a drop-in, deterministic replacement for TorchTitan's MoE block.
+
+Shape legend: B batch, S sequence, T = B*S local tokens, D model dim, H expert hidden
+dim, E experts, K experts per token, P = T*K (token, k) pairs, R rows on this rank.
+
+Data flows one way: router -> plan -> dispatch -> expert MLPs -> combine -> output.
+The plan fixes every row's place (see ``uniep.plan``); the combine sums each token's K
+expert outputs in fp32 in the order k = 0..K-1. Parameter and buffer names, shapes and
+initialisation match ``torchtitan.models.moe.MoE`` so checkpoints move between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from uniep.config import UniEPConfig
+from uniep.experts import FeedForward, GroupedExperts, expert_mlp_torch
+from uniep.plan import build_plan, local_counts
+from uniep.router import TopKRouter
+from uniep.rows import permute_rows, replicate_topk, sum_topk_fp32
+from uniep.transport import build_transport
+
+# Router settings read from a TorchTitan MoE by name (duck typing: no torchtitan import).
+_ROUTER_ATTRS = (
+    "top_k",
+    "score_func",
+    "route_norm",
+    "route_scale",
+    "num_expert_groups",
+    "num_limited_groups",
+)
+
+
+class UniEPMoE(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        num_shared_experts: int = 0,
+        score_func: Literal["softmax", "sigmoid"] = "sigmoid",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        gate_bias: bool = False,
+        score_before_experts: bool = True,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        load_balance_coeff: float | None = 1e-3,
+        force_load_balance: bool = False,
+        config: UniEPConfig | None = None,
+    ):
+        super().__init__()
+        if load_balance_coeff is not None and load_balance_coeff <= 0:
+            raise ValueError(f"load_balance_coeff = {load_balance_coeff} must be > 0 or None")
+        self.config = config or UniEPConfig()
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.router = TopKRouter(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+            gate_bias=gate_bias,
+            num_expert_groups=num_expert_groups,
+            num_limited_groups=num_limited_groups,
+            force_load_balance=force_load_balance,
+        )
+        self.shared_experts = (
+            FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
+        )
+        self.score_before_experts = score_before_experts
+        # Aux-loss-free load balancing: TorchTitan's optimizer pre-step hook reads
+        # tokens_per_expert and updates expert_bias; the forward only accumulates counts.
+        self.load_balance_coeff = load_balance_coeff
+        if load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.ep_group: dist.ProcessGroup | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    # construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_torchtitan(
+        cls,
+        moe: nn.Module,
+        config: UniEPConfig | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> "UniEPMoE":
+        """Take over the parameters and buffers of a ``torchtitan.models.moe.MoE``.
+
+        The new layer shares the parameter objects (no copy). With ``ep_group`` it keeps
+        only this rank's contiguous slice of experts (rank r owns experts
+        ``[r*E/W, (r+1)*E/W)``).
+        """
+        w1 = moe.experts.w1
+        num_experts, hidden_dim, dim = w1.shape
+        shared = moe.shared_experts
+        layer = cls(
+            dim,
+            hidden_dim,
+            num_experts,
+            moe.router.top_k,
+            num_shared_experts=0 if shared is None else shared.w1.weight.shape[0] // hidden_dim,
+            gate_bias=moe.router.gate.bias is not None,
+            score_before_experts=moe.score_before_experts,
+            load_balance_coeff=moe.load_balance_coeff,
+            force_load_balance=getattr(moe.router, "_debug_force_load_balance", False),
+            config=config,
+            **{name: getattr(moe.router, name) for name in _ROUTER_ATTRS[1:]},
+        )
+        # Share the module objects themselves: same parameters, same names.
+        layer.router.gate = moe.router.gate
+        if shared is not None:
+            layer.shared_experts = shared
+        for name in ("w1", "w2", "w3"):
+            setattr(layer.experts, name, getattr(moe.experts, name))
+        for name in ("expert_bias", "tokens_per_expert"):
+            if getattr(moe, name, None) is not None:
+                setattr(layer, name, getattr(moe, name))
+        if ep_group is not None:
+            layer.keep_local_experts(ep_group)
+        return layer
+
+    def keep_local_experts(self, ep_group: dist.ProcessGroup) -> None:
+        """Keep this rank's slice of experts as plain parameters and route over ``ep_group``."""
+        world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        self._check_ep_degree(world)
+        per_rank = self.num_experts // world
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self.experts, name)
+            local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
+            setattr(self.experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        self.ep_group = ep_group
+
+    def shard_experts(self, ep_mesh: DeviceMesh) -> None:
+        """Shard the routed experts over a 1-D ``ep_mesh`` as ``Shard(0)`` DTensors (as
+        TorchTitan's expert parallelism does, so FSDP and DCP checkpoints work) and route
+        over its process group. Works on meta tensors."""
+        self._check_ep_degree(ep_mesh.size())
+        for name in ("w1", "w2", "w3"):
+            param = getattr(self.experts, name)
+            setattr(self.experts, name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        self.ep_group = ep_mesh.get_group()
+
+    def _check_ep_degree(self, ep_size: int) -> None:
+        if self.num_experts % ep_size != 0:
+            raise ValueError(
+                f"expert-parallel degree {ep_size} does not divide num_experts = {self.num_experts}"
+            )
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        """Same order of random draws as TorchTitan's ``MoE.init_weights``."""
+        self.experts.init_weights(init_std)
+        self.router.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        device = buffer_device or self.tokens_per_expert.device
+        self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
+        if self.load_balance_coeff is not None:
+            self.expert_bias = torch.zeros(self.num_experts, device=device)
+
+    # forward ----------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, S, D) -> (B, S, D)."""
+        if x.dim() != 3:
+            raise ValueError(f"UniEPMoE expects x of shape (batch, seq, dim); got {tuple(x.shape)}")
+        B, S, D = x.shape
+        x_TD = x.reshape(B * S, D)
+        K = self.top_k
+
+        top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias)
+        counts_E = local_counts(topk_idx_TK, self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts_E)
+
+        transport = build_transport(self.config.transport, self.ep_group)
+        plan = build_plan(
+            topk_idx_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank
+        )
+
+        # shape (P, D): one row per (token, k) pair, in send order (expert, token, k)
+        rows_PD = permute_rows(replicate_topk(x_TD, K), plan.send_order, plan.send_order_inverse)
+        if self.score_before_experts:
+            scores_P1 = permute_rows(
+                top_scores_TK.reshape(-1, 1), plan.send_order, plan.send_order_inverse
+            )
+            rows_PD = (rows_PD.float() * scores_P1).to(x.dtype)
+
+        # shape (R, D): this rank's rows, expert-major
+        rows_RD = transport.dispatch(rows_PD, plan)
+        out_RD = expert_mlp_torch(rows_RD, plan.rows_per_local_expert, *self.experts.local_weights())
+        back_PD = transport.combine(out_RD, plan)
+
+        # shape (T, K, D): expert outputs back in (token, k) order
+        out_TKD = permute_rows(back_PD, plan.send_order_inverse, plan.send_order).view(B * S, K, D)
+        weights_TK = None if self.score_before_experts else top_scores_TK
+        out_TD = sum_topk_fp32(out_TKD, weights_TK).to(x.dtype)
+        if self.shared_experts is not None:
+            out_TD = self.shared_experts(x_TD) + out_TD
+        return out_TD.view(B, S, D)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"score_before_experts={self.score_before_experts}, config={self.config}"
+        )
+

@@ -1,0 +1,130 @@
+"""Deterministic routing plan (UniEP's Algorithm 1).
+
+Shape legend: T local tokens, K experts per token, P = T*K (token, k) pairs,
+E experts, W expert-parallel ranks, El = E / W experts per rank, R rows received.
+
+Every (token, k) pair becomes one row. On the rank that owns expert ``e`` rows are
+expert-major; inside an expert they are ordered by source rank, then token index, then
+k. A row's place is therefore a pure function of the all-gathered count table
+``C[rank][expert]``:
+
+    dest(e, src, i) = base(e) + sum_{s < src} C[s][e] + i
+
+where ``base(e)`` is the number of rows of the owner's lower experts and ``i`` the rank
+of the pair among src's pairs for ``e``. No arrival order, atomic or schedule enters
+it, which is what makes every later stage bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    num_experts: int
+    top_k: int
+    ep_size: int
+    ep_rank: int
+    send_order: torch.Tensor
+    """(P,) int64: pair id ``t*K + k`` of each sent row; sorted by (expert, t, k)."""
+    send_order_inverse: torch.Tensor
+    """(P,) int64: position in ``send_order`` of pair ``t*K + k``."""
+    count_table: torch.Tensor
+    """(W, E) int64: pairs each rank routes to each expert."""
+    dest_rows: torch.Tensor
+    """(P,) int64: row on the owner rank of each sent row (Algorithm 1)."""
+    arrival_to_row: torch.Tensor
+    """(R,) int64: expert-major row of each received row; rows arrive source-major
+    (all of rank 0's rows first), expert-major inside a source."""
+    row_to_arrival: torch.Tensor
+    """(R,) int64: inverse of ``arrival_to_row``."""
+    send_splits: list[int]
+    """(W,) rows sent to each rank."""
+    recv_splits: list[int]
+    """(W,) rows received from each rank."""
+    rows_per_local_expert: list[int]
+    """(El,) rows each local expert processes."""
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.arrival_to_row.numel())
+
+
+def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64: pairs routed to each expert."""
+    return torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts)
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cumsum(x, dim=dim) - x
+
+
+def build_plan(
+    topk_idx_TK: torch.Tensor,
+    num_experts: int,
+    count_table_WE: torch.Tensor | None = None,
+    ep_rank: int = 0,
+) -> RoutingPlan:
+    """Plan of one rank. ``count_table_WE`` is the all-gathered table of every rank's
+    ``local_counts`` (None with one rank)."""
+    T, K = topk_idx_TK.shape
+    device = topk_idx_TK.device
+    if count_table_WE is None:
+        count_table_WE = local_counts(topk_idx_TK, num_experts).unsqueeze(0)
+    count_table_WE = count_table_WE.to(device=device, dtype=torch.int64)
+    W = count_table_WE.shape[0]
+    if num_experts % W != 0:
+        raise ValueError(f"num_experts = {num_experts} is not divisible by ep_size = {W}")
+    if not 0 <= ep_rank < W:
+        raise ValueError(f"ep_rank = {ep_rank} must be in [0, {W})")
+    El = num_experts // W
+
+    flat_P = topk_idx_TK.reshape(-1)
+    # Stable sort keeps pairs of one expert in (t, k) order: pair id t*K+k increases.
+    send_order = torch.argsort(flat_P, stable=True)
+    send_order_inverse = torch.empty_like(send_order)
+    send_order_inverse[send_order] = torch.arange(send_order.numel(), device=device)
+
+    counts_E = count_table_WE[ep_rank]
+    # base(e): rows of the owner's lower local experts, summed over all sources.
+    base_E = _exclusive_cumsum(count_table_WE.sum(0).view(W, El), dim=1).reshape(-1)
+    src_prefix_WE = _exclusive_cumsum(count_table_WE, dim=0)
+    sorted_experts = flat_P[send_order]
+    rank_in_segment = torch.arange(flat_P.numel(), device=device) - _exclusive_cumsum(counts_E, 0)[
+        sorted_experts
+    ]
+    dest_rows = base_E[sorted_experts] + src_prefix_WE[ep_rank][sorted_experts] + rank_in_segment
+
+    mine = slice(ep_rank * El, (ep_rank + 1) * El)
+    seg_counts = count_table_WE[:, mine].reshape(-1)  # source-major, then local expert
+    seg_dest_start = (base_E[mine].unsqueeze(0) + src_prefix_WE[:, mine]).reshape(-1)
+    seg_arrival_start = _exclusive_cumsum(seg_counts, 0)
+    R = int(seg_counts.sum())
+    arrival_to_row = torch.repeat_interleave(
+        seg_dest_start - seg_arrival_start, seg_counts, output_size=R
+    ) + torch.arange(R, device=device)
+    row_to_arrival = torch.empty_like(arrival_to_row)
+    row_to_arrival[arrival_to_row] = torch.arange(R, device=device)
+
+    return RoutingPlan(
+        num_experts=num_experts,
+        top_k=K,
+        ep_size=W,
+        ep_rank=ep_rank,
+        send_order=send_order,
+        send_order_inverse=send_order_inverse,
+        count_table=count_table_WE,
+        dest_rows=dest_rows,
+        arrival_to_row=arrival_to_row,
+        row_to_arrival=row_to_arrival,
+        send_splits=counts_E.view(W, El).sum(1).tolist(),
+        recv_splits=count_table_WE[:, mine].sum(1).tolist(),
+        rows_per_local_expert=count_table_WE[:, mine].sum(0).tolist(),
+    )

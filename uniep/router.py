@@ -1,0 +1,101 @@
+"""Token-choice top-k router with the same semantics as TorchTitan 0.2.2's router.
+
+Shape legend: T tokens, D model dim, E experts, K experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from uniep.init import trunc_normal_
+
+
+class TopKRouter(nn.Module):
+    """Scores tokens against experts and picks K experts per token.
+
+    ``expert_bias`` (aux-loss-free load balancing) shifts the selection only; the
+    returned weights come from the unbiased scores. With ``num_expert_groups`` set, only
+    the ``num_limited_groups`` best groups (by the sum of their two best scores) are
+    eligible (node-limited routing).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: Literal["softmax", "sigmoid"] = "sigmoid",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        gate_bias: bool = False,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        force_load_balance: bool = False,
+    ):
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func = {score_func!r}; allowed values: 'softmax', 'sigmoid'")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+        if num_expert_groups is not None:
+            if num_experts % num_expert_groups != 0 or num_experts // num_expert_groups < 2:
+                raise ValueError(
+                    f"num_expert_groups = {num_expert_groups} must divide num_experts = "
+                    f"{num_experts} into groups of at least 2 experts"
+                )
+            if num_limited_groups is None or not 1 <= num_limited_groups <= num_expert_groups:
+                raise ValueError(
+                    f"num_limited_groups = {num_limited_groups} must be in [1, num_expert_groups = "
+                    f"{num_expert_groups}] when num_expert_groups is set"
+                )
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.route_norm = route_norm
+        self.route_scale = route_scale
+        self.num_expert_groups = num_expert_groups
+        self.num_limited_groups = num_limited_groups
+        self.force_load_balance = force_load_balance
+
+    def _limit_groups(self, scores_for_choice_TE: torch.Tensor) -> torch.Tensor:
+        grouped_TGe = scores_for_choice_TE.unflatten(-1, (self.num_expert_groups, -1))
+        group_scores_TG = grouped_TGe.topk(2, dim=-1).values.sum(dim=-1)
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+        keep_TG.scatter_(
+            1, group_scores_TG.topk(self.num_limited_groups, dim=-1, sorted=False).indices, True
+        )
+        return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).flatten(1)
+
+    def forward(
+        self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``."""
+        logits_TE = self.gate(x_TD)
+        # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
+        if self.score_func == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE.float())
+        else:
+            scores_TE = F.softmax(logits_TE.float(), dim=1)
+
+        if self.force_load_balance:
+            n = x_TD.shape[0]
+            topk_idx_TK = (
+                torch.arange(n * self.top_k, device=x_TD.device).view(n, self.top_k) % self.num_experts
+            )
+        else:
+            choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
+            if self.num_expert_groups is not None:
+                choice_TE = self._limit_groups(choice_TE)
+            topk_idx_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False).indices
+        top_scores_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.route_norm:
+            top_scores_TK = top_scores_TK / (top_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_scores_TK * self.route_scale, topk_idx_TK
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.gate.weight, std=init_std)

@@ -1,0 +1,52 @@
+"""torch.distributed all-to-all of rows in plan order (NCCL on GPU, gloo on CPU).
+
+Rows arrive source-major; the plan's ``row_to_arrival`` then puts them expert-major,
+ordered by source rank, token and k inside each expert. Combine runs the same steps
+backwards. Both are autograd functions whose backward is the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from uniep.plan import RoutingPlan
+from uniep.rows import permute_rows
+
+
+def _exchange(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
+    dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x_ND, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+
+
+class AllToAllTransport:
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        table = counts_E.new_empty(self.ep_size, counts_E.numel())
+        dist.all_gather_into_tensor(table, counts_E.contiguous(), group=self.group)
+        return table
+
+    def dispatch(self, rows_PD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        arrived = _Exchange.apply(rows_PD, plan.recv_splits, plan.send_splits, self.group)
+        return permute_rows(arrived, plan.row_to_arrival, plan.arrival_to_row)
+
+    def combine(self, rows_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        by_source = permute_rows(rows_RD, plan.arrival_to_row, plan.row_to_arrival)
+        return _Exchange.apply(by_source, plan.send_splits, plan.recv_splits, self.group)
