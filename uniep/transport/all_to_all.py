@@ -39,9 +39,10 @@ class AllToAllTransport:
         self.ep_rank = dist.get_rank(group)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        table = counts_E.new_empty(self.ep_size, counts_E.numel())
+        # Flat output: gloo accepts only a 1-D (W*E,) buffer here.
+        table = counts_E.new_empty(self.ep_size * counts_E.numel())
         dist.all_gather_into_tensor(table, counts_E.contiguous(), group=self.group)
-        return table
+        return table.view(self.ep_size, -1)
 
     def dispatch(self, rows_PD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         arrived = _Exchange.apply(rows_PD, plan.recv_splits, plan.send_splits, self.group)

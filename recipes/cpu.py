@@ -1,0 +1,126 @@
+"""Shims that let TorchTitan 0.2.2 train on CPU (gloo), without editing its files.
+
+Each is applied only when no CUDA device is present, and each answers one gap:
+
+1. TorchTitan picks its device as "cuda" when no accelerator is found; we point the
+   modules that cached that choice at "cpu" and at a small stand-in for ``torch.cuda``
+   (memory statistics report zero).
+2. ``torch.histc`` has no CPU kernel for integer tensors; TorchTitan's router calls it on
+   expert indices. We count in fp32 and cast back (exact for counts below 2**24).
+3. gloo has no PREMUL_SUM reduce-scatter, which FSDP2 uses to pre-scale gradients; the
+   shim makes FSDP divide after a plain SUM instead (same result up to rounding order).
+4. TorchTitan's MoE uses grouped GEMMs whose padding kernel is Triton-only; on CPU its
+   own for-loop expert path is selected (the baseline for parity runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+_applied = False
+
+
+class _CPUDeviceModule(types.SimpleNamespace):
+    """The subset of ``torch.cuda`` that TorchTitan calls, answered for the CPU."""
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_device_properties(device=None):
+        return types.SimpleNamespace(total_memory=1, name="cpu")
+
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        return {}
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+
+_DEVICE_CACHING_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiling",
+)
+
+
+def _histc_any_dtype(histc):
+    def wrapper(input, *args, **kwargs):
+        if input.is_floating_point() or input.is_cuda:
+            return histc(input, *args, **kwargs)
+        return histc(input.float(), *args, **kwargs).to(input.dtype)
+
+    return wrapper
+
+
+def _fsdp_without_premul_sum() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._get_gradient_divide_factors
+
+    def get_factors(*args, **kwargs):
+        kwargs["force_sum_reduction_for_comms"] = True
+        return original(*args[:5], **kwargs)
+
+    _fsdp_collectives._get_gradient_divide_factors = get_factors
+
+
+def apply_cpu_shims() -> bool:
+    """Apply the shims if there is no CUDA device. Returns True when they are active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    device_module = _CPUDeviceModule()
+    for name in _DEVICE_CACHING_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = device_module
+    torch.histc = _histc_any_dtype(torch.histc)
+    _fsdp_without_premul_sum()
+
+    from torchtitan.models.moe import moe as titan_moe
+
+    original_init = titan_moe.GroupedExperts.__init__
+
+    def experts_init(self, dim, hidden_dim, num_experts, use_grouped_mm):
+        original_init(self, dim, hidden_dim, num_experts, use_grouped_mm=False)
+
+    titan_moe.GroupedExperts.__init__ = experts_init
+    _applied = True
+    return True

@@ -1,0 +1,68 @@
+"""Training entry point: ``python -m recipes.train --job.config_file X.toml [overrides]``.
+
+Run it under torchrun (``scripts/run_train.sh`` does). On top of TorchTitan's own flags
+it takes ``--resume`` (continue from an existing checkpoint folder) and
+``--overwrite-checkpoints`` (delete it first); without either, an existing checkpoint
+folder stops the run before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from recipes.cpu import apply_cpu_shims
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--overwrite-checkpoints", action="store_true")
+    ours, titan_args = parser.parse_known_args(argv)
+
+    apply_cpu_shims()
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan.tools.logging import init_logger, logger
+    from torchtitan.train import Trainer
+
+    from recipes import preflight
+    from recipes.models import register_all
+
+    init_logger()
+    register_all()
+    try:
+        config_file = preflight.config_file_from_args(titan_args)
+        if config_file is not None:
+            preflight.check_toml(config_file)
+        job_config = ConfigManager().parse_args(titan_args)
+        preflight.check_job(
+            job_config, get_train_spec(job_config.model.name), int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        preflight.check_checkpoint_folder(
+            job_config,
+            resume=ours.resume,
+            overwrite=ours.overwrite_checkpoints,
+            is_rank0=int(os.environ.get("RANK", "0")) == 0,
+        )
+    except ValueError as e:
+        sys.exit(f"uniep: configuration error: {e}")
+
+    import torch
+
+    trainer = None
+    try:
+        trainer = Trainer(job_config)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    main()
