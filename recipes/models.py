@@ -20,6 +20,7 @@ from torchtitan.models.qwen3.infra import parallelize as titan_qwen3_parallelize
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from recipes import data
+from recipes.metrics import build_metrics_processor
 from recipes.parallelize import apply_uniep_ep, check_uniep_parallelism
 from uniep import UniEPConfig, UniEPMoE
 
@@ -96,6 +97,7 @@ def _uniep_train_spec(titan_name: str, model_cls: type, parallelize_fn, parallel
         model_args=flavors,
         parallelize_fn=_uniep_parallelize_fn(parallelize_fn, parallelize_module),
         build_tokenizer_fn=data.build_tokenizer,
+        build_metrics_processor_fn=build_metrics_processor,
     )
 
 

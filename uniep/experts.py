@@ -69,8 +69,9 @@ def expert_mlp_torch(
     rows in plan order inside one GEMM, never split across launches.
     """
     outputs = []
-    for e, rows in enumerate(torch.split(rows_RD, rows_per_expert)):
-        w1, w2, w3 = (w[e].to(rows_RD.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
+    # unbind, not w[e]: the backward of E selects would build E full-size zero gradients.
+    per_expert = zip(*(w.to(rows_RD.dtype).unbind(0) for w in (w1_EHD, w2_EDH, w3_EHD)))
+    for rows, (w1, w2, w3) in zip(torch.split(rows_RD, rows_per_expert), per_expert):
         h = F.silu(rows @ w1.t()) * (rows @ w3.t())
         outputs.append(h @ w2.t())
     if not outputs:

@@ -1,0 +1,51 @@
+"""Per-step loss log: TorchTitan's metrics plus ``<dump_folder>/loss_log.jsonl``.
+
+Each line is ``{"step", "loss", "grad_norm", "lr"}`` with full float precision (the
+console shows five decimals), so runs can be compared bitwise. Rank 0 writes it; a
+resumed run appends, and readers take the last line of each step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torchtitan.components.metrics import MetricsProcessor
+
+LOSS_LOG = "loss_log.jsonl"
+
+
+def _as_float(value) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class LossLogMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag=None):
+        super().__init__(job_config, parallel_dims, tag)
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        self.loss_log = Path(job_config.job.dump_folder) / LOSS_LOG if rank0 else None
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        if self.loss_log is None:
+            return
+        record = {"step": step, "loss": _as_float(global_avg_loss), "grad_norm": _as_float(grad_norm)}
+        if extra_metrics and "lr" in extra_metrics:
+            record["lr"] = _as_float(extra_metrics["lr"])
+        self.loss_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.loss_log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    return LossLogMetricsProcessor(job_config, parallel_dims, tag)
+
+
+def read_loss_log(dump_folder: str | Path) -> dict[int, dict]:
+    """step -> record, the last record of each step winning (resumed runs append)."""
+    records = {}
+    for line in (Path(dump_folder) / LOSS_LOG).read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    return records

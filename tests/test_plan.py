@@ -1,0 +1,78 @@
+"""The deterministic plan against a brute-force construction of Algorithm 1."""
+
+import pytest
+import torch
+
+from uniep.plan import build_plan, local_counts
+
+
+def brute_force_rows(topk_per_rank, num_experts):
+    """{(src, t, k): (owner, row)} by listing every rank's rows in (expert, src, t, k) order."""
+    W = len(topk_per_rank)
+    per_rank = num_experts // W
+    places, next_row = {}, [0] * W
+    for e in range(num_experts):
+        owner = e // per_rank
+        for src, idx in enumerate(topk_per_rank):
+            T, K = idx.shape
+            for t in range(T):
+                for k in range(K):
+                    if idx[t, k] == e:
+                        places[(src, t, k)] = (owner, next_row[owner])
+                        next_row[owner] += 1
+    return places
+
+
+def routing(kind, W, T, K, E, gen):
+    if kind == "random":
+        return [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
+    if kind == "one_expert":  # every pair of every rank on expert E-1 (K = 1)
+        return [torch.full((T, K), E - 1) for _ in range(W)]
+    if kind == "one_rank":  # all pairs on rank 0's experts; other experts empty
+        per_rank = E // W
+        return [torch.stack([torch.randperm(per_rank, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind, W, T, K, E",
+    [
+        ("random", 1, 7, 2, 4),  # one rank
+        ("random", 2, 5, 3, 8),  # odd token count
+        ("random", 4, 9, 2, 8),  # EP 4
+        ("random", 2, 1, 1, 2),  # T = 1, K = 1
+        ("one_expert", 2, 6, 1, 4),  # all tokens to one expert
+        ("one_rank", 4, 5, 2, 8),  # skew: three ranks' experts empty
+    ],
+)
+def test_plan_matches_brute_force(kind, W, T, K, E):
+    gen = torch.Generator().manual_seed(T * 131 + W)
+    topk = routing(kind, W, T, K, E, gen)
+    table = torch.stack([local_counts(idx, E) for idx in topk])
+    places = brute_force_rows(topk, E)
+    arrivals = {r: [] for r in range(W)}  # per owner: rows in arrival order (source-major)
+    for src, idx in enumerate(topk):
+        plan = build_plan(idx, E, table, ep_rank=src)
+        pairs = plan.send_order.tolist()
+        # send order is (expert, t, k)
+        keys = [(idx.view(-1)[p].item(), p // K, p % K) for p in pairs]
+        assert keys == sorted(keys)
+        for i, p in enumerate(pairs):
+            owner, row = places[(src, p // K, p % K)]
+            assert plan.dest_rows[i].item() == row
+            arrivals[owner].append(row)
+        assert plan.send_splits == [sum(1 for p in pairs if places[(src, p // K, p % K)][0] == r) for r in range(W)]
+        assert torch.equal(plan.send_order[plan.send_order_inverse], torch.arange(T * K))
+    for r in range(W):
+        plan = build_plan(topk[r], E, table, ep_rank=r)
+        # rows arrive source by source, each source's rows in its send order
+        assert plan.arrival_to_row.tolist() == arrivals[r]
+        assert torch.equal(plan.arrival_to_row[plan.row_to_arrival], torch.arange(plan.num_rows))
+        assert sum(plan.rows_per_local_expert) == plan.num_rows == sum(plan.recv_splits)
+
+
+def test_plan_rejects_ep_degree_not_dividing_experts():
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    table = torch.zeros(3, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="num_experts = 4 is not divisible by ep_size = 3"):
+        build_plan(idx, 4, table)
