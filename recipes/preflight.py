@@ -13,7 +13,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from uniep import UniEPConfig
+from uniep import UniEPConfig, UniEPConfigError
 
 from recipes import data
 
@@ -39,8 +39,24 @@ def check_toml(path: str) -> dict:
             table = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise PreflightError(f"{path}: not valid TOML: {e}") from None
-    UniEPConfig.from_dict(table.get("uniep"), where=f"{path}: uniep")
+    try:
+        UniEPConfig.from_dict(table.get("uniep"))
+    except UniEPConfigError as e:
+        raise PreflightError(f"{path}: {e}") from None
     return table
+
+
+def resolve_embedded_tokenizer(args: list[str], toml: dict) -> list[str]:
+    """Replace ``hf_assets_path = "embedded"`` by the shipped folder before TorchTitan
+    parses the config (it warns about paths that do not exist)."""
+    value = toml.get("model", {}).get("hf_assets_path")
+    for i, arg in enumerate(args):
+        key, _, inline = arg.partition("=")
+        if key in ("--model.hf_assets_path", "--model.hf-assets-path"):
+            value = inline or (args[i + 1] if i + 1 < len(args) else None)
+    if value == data.EMBEDDED_TOKENIZER:
+        return [*args, "--model.hf_assets_path", data.tokenizer_path(value)]
+    return args
 
 
 def check_job(job_config, train_spec, world_size: int) -> None:

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     register_all()
     try:
         config_file = preflight.config_file_from_args(titan_args)
-        if config_file is not None:
-            preflight.check_toml(config_file)
+        toml = preflight.check_toml(config_file) if config_file is not None else {}
+        titan_args = preflight.resolve_embedded_tokenizer(titan_args, toml)
         job_config = ConfigManager().parse_args(titan_args)
         preflight.check_job(
             job_config, get_train_spec(job_config.model.name), int(os.environ.get("WORLD_SIZE", "1"))
