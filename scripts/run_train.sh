@@ -15,6 +15,7 @@ config=$1
 shift
 
 cd "$(dirname "$0")/.."
+if [ -x .venv/bin/python ]; then PATH="$PWD/.venv/bin:$PATH"; fi
 if [ -z "${NPROC:-}" ]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
 fi

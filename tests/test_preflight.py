@@ -104,3 +104,22 @@ def test_existing_checkpoint_folder_is_not_written_over(train, tmp_path):
 
 def test_missing_config_file(train, tmp_path):
     assert_stopped_with(train(config=tmp_path / "none.toml"), "none.toml': no such file")
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "train_configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(config):
+    """Every shipped TOML parses through TorchTitan with the [uniep] section, names a
+    registered model flavor, and its EP degree divides that flavor's experts."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from recipes import preflight
+    from recipes.models import register_all
+
+    register_all()
+    toml = preflight.check_toml(str(config))
+    job = ConfigManager().parse_args(["--job.config_file", str(config)])
+    assert job.uniep.to_dict() == toml["uniep"]
+    spec = get_train_spec(job.model.name)
+    moe_args = spec.model_args[job.model.flavor].moe_args
+    assert moe_args.num_experts % job.parallelism.expert_parallel_degree == 0
