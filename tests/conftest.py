@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter; it must be chosen before the
+# kernels are defined (at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from recipes.cpu import apply_cpu_shims
 

@@ -51,13 +51,13 @@ def test_unknown_uniep_key(train, tmp_path):
     config = edited_config(tmp_path, 'transport = "all_to_all"', 'transport = "all_to_all"\nmegakernels = true')
     assert_stopped_with(
         train(config=config),
-        "unknown key uniep.megakernels = True; allowed keys in [uniep]: backend, transport",
+        "unknown key uniep.megakernels = True; allowed keys in [uniep]: backend, gemm_block_k,",
     )
 
 
 def test_wrong_type_in_uniep_table(train, tmp_path):
     config = edited_config(tmp_path, 'backend = "auto"', "backend = 1")
-    assert_stopped_with(train(config=config), "uniep.backend = 1 is not allowed; allowed values: 'auto', 'torch'")
+    assert_stopped_with(train(config=config), "uniep.backend = 1 is not allowed; allowed values: 'auto', 'torch', 'triton'")
 
 
 def test_bad_uniep_value_on_the_command_line(train):
@@ -115,11 +115,12 @@ def test_shipped_configs_parse(config):
 
     from recipes import preflight
     from recipes.models import register_all
+    from uniep import UniEPConfig
 
     register_all()
     toml = preflight.check_toml(str(config))
     job = ConfigManager().parse_args(["--job.config_file", str(config)])
-    assert job.uniep.to_dict() == toml["uniep"]
+    assert job.uniep == UniEPConfig.from_dict(toml["uniep"])
     spec = get_train_spec(job.model.name)
     moe_args = spec.model_args[job.model.flavor].moe_args
     assert moe_args.num_experts % job.parallelism.expert_parallel_degree == 0

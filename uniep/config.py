@@ -8,12 +8,17 @@ field, the value given and the values allowed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-Backend = Literal["auto", "torch"]
+Backend = Literal["auto", "torch", "triton"]
 Transport = Literal["all_to_all"]
+
+
+_BLOCK_SIZES = (16, 32, 64, 128, 256)
+_WARPS = (1, 2, 4, 8, 16)
 
 
 class UniEPConfigError(ValueError):
@@ -23,19 +28,58 @@ class UniEPConfigError(ValueError):
 @dataclass(frozen=True)
 class UniEPConfig:
     backend: Backend = "auto"
-    """Compute path of the expert block. ``torch``: plain-PyTorch reference path
-    (deterministic, runs anywhere). ``auto``: the fastest path available on the device
-    (today: ``torch`` everywhere)."""
+    """Compute path of the expert block. ``triton``: fused Triton kernels (CUDA, one
+    expert-parallel rank). ``torch``: plain-PyTorch reference path (runs anywhere).
+    ``auto``: ``triton`` on CUDA with expert-parallel degree 1, else ``torch``."""
 
     transport: Transport = "all_to_all"
     """How rows move between expert-parallel ranks. ``all_to_all``: torch.distributed
     all-to-all of rows in plan order (NCCL on GPU, gloo on CPU). Ignored when the
     expert-parallel degree is 1."""
 
+    gemm_block_m: int = 128
+    """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
+    Changes the bits of bf16 results."""
+    gemm_block_n: int = 128
+    """Output columns per tile (16..256, power of 2). Changes bits."""
+    gemm_block_k: int = 64
+    """Reduction step (16..256, power of 2). Changes bits."""
+    gemm_num_warps: int = 8
+    """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
+    gemm_num_stages: int = 3
+    """Software-pipelining depth (1..8). Does not change bits."""
+
+    wgrad_block_m: int = 128
+    """Weight-gradient tile rows (16..256, power of 2). Changes bits."""
+    wgrad_block_n: int = 128
+    """Weight-gradient tile columns (16..256, power of 2). Changes bits."""
+    wgrad_block_k: int = 64
+    """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
+    wgrad_num_warps: int = 8
+    """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
+    wgrad_num_stages: int = 3
+    """Weight-gradient pipelining depth (1..8). Does not change bits."""
+
+    num_programs: int = 0
+    """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
+    Does not change bits."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_value(f.name, getattr(self, f.name), hints[f.name])
+        for name in ("gemm_block_m", "gemm_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k"):
+            value = getattr(self, name)
+            if value not in _BLOCK_SIZES:
+                raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: {_BLOCK_SIZES}")
+        for name in ("gemm_num_warps", "wgrad_num_warps"):
+            if getattr(self, name) not in _WARPS:
+                raise UniEPConfigError(f"{name} = {getattr(self, name)} is not allowed; allowed values: {_WARPS}")
+        for name in ("gemm_num_stages", "wgrad_num_stages"):
+            if not 1 <= getattr(self, name) <= 8:
+                raise UniEPConfigError(f"{name} = {getattr(self, name)} is not allowed; allowed values: 1..8")
+        if self.num_programs < 0:
+            raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any] | None, *, where: str = "uniep") -> "UniEPConfig":
@@ -57,9 +101,19 @@ class UniEPConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def resolved_backend(self, device_type: str) -> str:
-        """The compute path used on ``device_type`` ("cpu", "cuda", ...)."""
-        return "torch" if self.backend == "auto" else self.backend
+    def resolved_backend(self, device_type: str, ep_size: int) -> str:
+        """The compute path used on ``device_type`` ("cpu", "cuda", ...) at an
+        expert-parallel degree of ``ep_size``."""
+        if self.backend == "auto":
+            return "triton" if device_type == "cuda" and ep_size == 1 else "torch"
+        # the Triton interpreter runs the kernels on the CPU (tests)
+        on_triton_device = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if self.backend == "triton" and (not on_triton_device or ep_size != 1):
+            raise UniEPConfigError(
+                f"backend = 'triton' runs on CUDA with expert-parallel degree 1; got device "
+                f"{device_type!r}, degree {ep_size} (use 'auto' or 'torch')"
+            )
+        return self.backend
 
 
 def _check_value(name: str, value: Any, hint: Any) -> None:

@@ -186,7 +186,6 @@ class UniEPMoE(nn.Module):
             raise ValueError(f"UniEPMoE expects x of shape (batch, seq, dim); got {tuple(x.shape)}")
         B, S, D = x.shape
         x_TD = x.reshape(B * S, D)
-        K = self.top_k
 
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias)
         counts_E = local_counts(topk_idx_TK, self.num_experts)
@@ -194,17 +193,28 @@ class UniEPMoE(nn.Module):
             self.tokens_per_expert.add_(counts_E)
 
         transport = build_transport(self.config.transport, self.ep_group)
+        if self.config.resolved_backend(x.device.type, transport.ep_size) == "triton":
+            out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E)
+        else:
+            out_TD = self._experts_torch(x_TD, top_scores_TK, topk_idx_TK, counts_E, transport)
+        if self.shared_experts is not None:
+            out_TD = self.shared_experts(x_TD) + out_TD
+        return out_TD.view(B, S, D)
+
+    def _experts_torch(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, transport) -> torch.Tensor:
+        """(T, D) routed-expert output on the plain-PyTorch path (any EP degree)."""
+        T, D = x_TD.shape
+        K = self.top_k
         plan = build_plan(
             topk_idx_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank
         )
-
         # shape (P, D): one row per (token, k) pair, in send order (expert, token, k)
         rows_PD = permute_rows(replicate_topk(x_TD, K), plan.send_order, plan.send_order_inverse)
         if self.score_before_experts:
             scores_P1 = permute_rows(
                 top_scores_TK.reshape(-1, 1), plan.send_order, plan.send_order_inverse
             )
-            rows_PD = (rows_PD.float() * scores_P1).to(x.dtype)
+            rows_PD = (rows_PD.float() * scores_P1).to(x_TD.dtype)
 
         # shape (R, D): this rank's rows, expert-major
         rows_RD = transport.dispatch(rows_PD, plan)
@@ -212,12 +222,25 @@ class UniEPMoE(nn.Module):
         back_PD = transport.combine(out_RD, plan)
 
         # shape (T, K, D): expert outputs back in (token, k) order
-        out_TKD = permute_rows(back_PD, plan.send_order_inverse, plan.send_order).view(B * S, K, D)
+        out_TKD = permute_rows(back_PD, plan.send_order_inverse, plan.send_order).view(T, K, D)
         weights_TK = None if self.score_before_experts else top_scores_TK
-        out_TD = sum_topk_fp32(out_TKD, weights_TK).to(x.dtype)
-        if self.shared_experts is not None:
-            out_TD = self.shared_experts(x_TD) + out_TD
-        return out_TD.view(B, S, D)
+        return sum_topk_fp32(out_TKD, weights_TK).to(x_TD.dtype)
+
+    def _experts_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E) -> torch.Tensor:
+        """(T, D) routed-expert output on the fused Triton kernels (one rank)."""
+        from uniep.kernels.fused_experts import fused_experts
+        from uniep.kernels.grouped_gemm import GemmTiles
+
+        c = self.config
+        programs = c.num_programs or None
+        # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
+        send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
+        return fused_experts(
+            x_TD, top_scores_TK, send_order, counts_E, *self.experts.local_weights(),
+            score_before_experts=self.score_before_experts,
+            tiles=GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs),
+            wgrad_tiles=GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs),
+        )
 
     def extra_repr(self) -> str:
         return (

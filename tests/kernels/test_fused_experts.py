@@ -1,0 +1,117 @@
+"""The fused Triton expert block (forward and every gradient) against the plain-PyTorch
+path, and the UniEP layer with backend "triton" against TorchTitan's MoE."""
+
+import pytest
+import torch
+from torchtitan.models.moe import MoE, MoEArgs
+
+from tests.kernels.routing import make_routing
+from uniep import UniEPConfig, UniEPConfigError, UniEPMoE
+from uniep.experts import expert_mlp_torch
+from uniep.kernels.fused_experts import fused_experts
+from uniep.kernels.grouped_gemm import GemmTiles
+from uniep.rows import sum_topk_fp32
+
+TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
+
+
+def reference(x, scores, order, counts, w1, w2, w3, score_before):
+    T, K = scores.shape
+    rows = x.repeat_interleave(K, 0)[order]
+    if score_before:
+        rows = rows * scores.reshape(-1)[order][:, None]
+    out = expert_mlp_torch(rows, counts.tolist(), w1, w2, w3)
+    y = torch.empty_like(out)
+    y[order] = out
+    return sum_topk_fp32(y.view(T, K, -1), None if score_before else scores)
+
+
+def fwd_bwd(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(
+    "T, K, E, D, H, kind",
+    [
+        (13, 3, 5, 40, 24, "random"),  # odd sizes
+        (10, 2, 6, 32, 16, "skewed"),  # empty experts
+        (6, 1, 4, 16, 48, "one_expert"),  # all tokens on one expert, top-1
+        (4, 8, 8, 16, 16, "random"),  # top-8 of 8
+    ],
+)
+@pytest.mark.parametrize("score_before", [False, True])
+def test_fused_matches_torch_path(T, K, E, D, H, kind, score_before):
+    gen = torch.Generator().manual_seed(T * 7 + K)
+    _, order, counts = make_routing(T, K, E, kind, gen)
+    x = torch.randn(T, D, generator=gen)
+    scores = torch.rand(T, K, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen) * 0.2 for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen) * 0.2
+    grad = torch.randn(T, D, generator=gen)
+
+    def fused(x, s, a, b, c):
+        return fused_experts(x, s, order, counts, a, b, c, score_before_experts=score_before, tiles=TILES, wgrad_tiles=TILES)
+
+    def ref(x, s, a, b, c):
+        return reference(x, s, order, counts, a, b, c, score_before)
+
+    got = fwd_bwd(fused, [x, scores, w1, w2, w3], grad)
+    expected = fwd_bwd(ref, [x, scores, w1, w2, w3], grad)
+    for name, g, e in zip(["out", "x", "scores", "w1", "w2", "w3"], got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_bitwise_across_program_counts():
+    gen = torch.Generator().manual_seed(1)
+    T, K, E, D, H = 12, 2, 4, 32, 16
+    _, order, counts = make_routing(T, K, E, "random", gen)
+    inputs = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
+              torch.randn(E, H, D, generator=gen), torch.randn(E, D, H, generator=gen), torch.randn(E, H, D, generator=gen)]
+    grad = torch.randn(T, D, generator=gen)
+    runs = []
+    for programs in (1, 5):
+        tiles = GemmTiles(16, 16, 16, num_programs=programs)
+        runs.append(fwd_bwd(
+            lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False, tiles=tiles, wgrad_tiles=tiles),
+            inputs, grad,
+        ))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_bad_weight_shapes_are_named():
+    x, s = torch.randn(4, 16), torch.rand(4, 2)
+    w = torch.randn(3, 8, 16)
+    with pytest.raises(ValueError, match=r"weight shapes w1 \(3, 8, 16\), w2 \(3, 8, 16\), w3 \(3, 8, 16\) do not fit x of dim 16"):
+        fused_experts(x, s, torch.arange(8), torch.tensor([8, 0, 0]), w, w, w, score_before_experts=False, tiles=TILES, wgrad_tiles=TILES)
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_layer_with_triton_backend_matches_torchtitan(score_before):
+    torch.manual_seed(4)
+    args = MoEArgs(num_experts=6, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True, score_before_experts=score_before)
+    titan = MoE(args, dim=32, hidden_dim=16)
+    with torch.no_grad():
+        titan.init_weights(0.02, torch.device("cpu"))
+    small = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
+    layer = UniEPMoE.from_torchtitan(titan, UniEPConfig(backend="triton", num_programs=2, **small))
+    x = torch.randn(2, 5, 32)
+    grad = torch.randn(2, 5, 32)
+    results = []
+    for module in (titan, layer):
+        xi = x.clone().requires_grad_(True)
+        module.zero_grad(set_to_none=True)
+        module(xi).backward(grad)
+        results.append([xi.grad] + [p.grad.clone() for _, p in sorted(module.named_parameters())])
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_backend_needs_a_triton_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    layer = UniEPMoE(16, 8, 4, 2, config=UniEPConfig(backend="triton"))
+    layer.init_weights(0.02)
+    with pytest.raises(UniEPConfigError, match="backend = 'triton' runs on CUDA"):
+        layer(torch.randn(1, 3, 16))

@@ -1,0 +1,103 @@
+"""Fixed-order top-k combine and its backward.
+
+Shape legend: T tokens, K experts per token, D model dim; ``rows`` is (T*K, D) in
+(token, k) order, so each token's K rows are contiguous.
+
+    out[t] = sum_{k=0..K-1} w[t, k] * rows[t*K + k]        (fp32, in that order)
+
+backward, for an upstream gradient g (T, D):
+
+    grad_rows[t*K + k] = w[t, k] * g[t]      grad_w[t, k] = <g[t], rows[t*K + k]>  (fp32)
+
+No atomics: every output element is written by exactly one program.
+Grid: (T, cdiv(D, BLOCK_D)) for the forward, (T,) for the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _topk_combine_kernel(
+    rows_ptr,  # (T*K, D)
+    w_ptr,  # (T, K) fp32 (HAS_W)
+    out_ptr,  # (T, D)
+    D,
+    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        term = tl.load(rows_ptr + (t * K + k) * D + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            term = term * tl.load(w_ptr + t * K + k)
+        acc += term
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _topk_combine_bwd_kernel(
+    grad_ptr,  # (T, D)
+    rows_ptr,  # (T*K, D) (HAS_W)
+    w_ptr,  # (T, K) fp32 (HAS_W)
+    grad_rows_ptr,  # (T*K, D)
+    grad_w_ptr,  # (T, K) fp32 (HAS_W)
+    D,
+    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    for k in tl.static_range(K):
+        if HAS_W:
+            w = tl.load(w_ptr + t * K + k)
+        dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for d in range(0, D, BLOCK_D):
+            cols = d + tl.arange(0, BLOCK_D)
+            mask = cols < D
+            g = tl.load(grad_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                r = tl.load(rows_ptr + (t * K + k) * D + cols, mask=mask, other=0.0).to(tl.float32)
+                dot += g * r
+                g = g * w
+            tl.store(grad_rows_ptr + (t * K + k) * D + cols, g.to(grad_rows_ptr.dtype.element_ty), mask=mask)
+        if HAS_W:
+            tl.store(grad_w_ptr + t * K + k, tl.sum(dot))
+
+
+def _block_d(D: int) -> int:
+    return min(1024, triton.next_power_of_2(D))
+
+
+def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """(T, D) in ``rows``' dtype: the fixed-order weighted sum of each token's K rows."""
+    P, D = rows_PD.shape
+    T = P // top_k
+    out = rows_PD.new_empty(T, D)
+    if T == 0:
+        return out
+    _topk_combine_kernel[(T, triton.cdiv(D, _block_d(D)))](
+        rows_PD, rows_PD if weights_TK is None else weights_TK, out, D,
+        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D),
+    )
+    return out
+
+
+def topk_combine_bwd(
+    grad_TD: torch.Tensor, rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(grad_rows (T*K, D), grad_weights (T, K) fp32 or None)``."""
+    T, D = grad_TD.shape
+    grad_rows = rows_PD.new_empty(T * top_k, D)
+    grad_w = None if weights_TK is None else torch.empty_like(weights_TK)
+    if T == 0:
+        return grad_rows, grad_w
+    _topk_combine_bwd_kernel[(T,)](
+        grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
+        grad_rows, grad_rows if grad_w is None else grad_w, D,
+        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D),
+    )
+    return grad_rows, grad_w

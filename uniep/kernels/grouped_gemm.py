@@ -1,0 +1,271 @@
+"""Grouped GEMM over expert-major rows, with row gather/scatter and SwiGLU epilogues.
+
+Shape legend: R rows (expert-major, the plan's order), E experts, Kd reduction dim,
+N output dim. Row block ``[offsets[e], offsets[e+1])`` belongs to expert ``e``.
+
+For each expert ``e`` and each of its rows ``r``::
+
+    C[c_row[r], :] = epilogue( A[a_row[r], :] (* a_scale[r]) @ B[e] )
+
+``a_row`` gathers the input rows inside the kernel (no permuted copy of the tokens),
+``c_row`` scatters the results (e.g. straight to (token, k) order for the combine).
+``B[e]`` is read through strides, so a weight and its transpose are the same launch.
+
+Modes (``MODE``):
+- ``PLAIN``:      C = A @ B
+- ``SWIGLU_FWD``: a1 = A @ B, a3 = A @ B2; stores h = silu(a1) * a3 to C, a1 to AUX1, a3 to AUX3
+- ``SWIGLU_BWD``: g = A @ B; reads a1, a3 from AUX1/AUX3; stores d a1 to C, d a3 to C2
+- ``DUAL``:       C = A @ B + A2 @ B2 (both over the same Kd)
+
+Grid: persistent, ``NUM_PROGRAMS`` programs; program ``p`` takes tiles
+``p, p + NUM_PROGRAMS, ...`` of (row tile, column tile). Row tiles never cross experts;
+each output element is one dot product accumulated in fp32 over Kd in order, so the
+bits do not depend on ``NUM_PROGRAMS``. The tile schedule is read on the device (no
+host sync): ``tile_offsets[e]`` is the first row tile of expert ``e``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tile shape and launch settings of one grouped GEMM. Changing ``block_*`` changes
+    the bits of bf16 results (the reduction is blocked differently); ``num_warps``,
+    ``num_stages`` and ``num_programs`` do not."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    num_programs: int | None = None
+    """Persistent programs; None: one per SM (``2 * SMs`` for small tiles)."""
+
+
+@triton.jit
+def _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E: tl.constexpr):
+    """Largest e in [0, E) with tile_offsets[e] <= m_tile (skips empty experts)."""
+    lo = 0  # invariant: tile_offsets[lo] <= m_tile (tile_offsets[0] == 0); answer in [lo, hi)
+    hi = num_experts
+    for _ in range(LOG2_E):
+        mid = (lo + hi) // 2
+        active = hi - lo > 1
+        right = tl.load(tile_offsets_ptr + mid) <= m_tile
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    return lo
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, a2_ptr,  # (rows_a, Kd): input rows
+    a_row_ptr,  # (R,) int32: row of A for each plan row (HAS_A_ROW)
+    a_scale_ptr,  # (R,) fp32: per-row scale applied to A before the dot (HAS_A_SCALE)
+    b_ptr, b2_ptr,  # (E, ...) weights; element (k, n) of expert e at e*stride_be + k*stride_bk + n*stride_bn
+    c_ptr, c2_ptr,  # (rows_c, N) outputs
+    c_row_ptr,  # (R,) int32: output row for each plan row (HAS_C_ROW)
+    aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
+    expert_offsets_ptr,  # (E+1,) int32 row offsets
+    tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
+    N, Kd, num_experts,
+    stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
+    MODE: tl.constexpr,
+    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, total_tiles, NUM_PROGRAMS):
+        m_tile = tile // n_tiles
+        n_start = (tile % n_tiles) * BLOCK_N
+        e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
+        row_end = tl.load(expert_offsets_ptr + e + 1)
+        rows = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M + offs_m
+        mask_m = rows < row_end
+        cols = n_start + offs_n
+        mask_n = cols < N
+        if HAS_A_ROW:
+            a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        if HAS_A_SCALE:
+            scale = tl.load(a_scale_ptr + rows, mask=mask_m, other=0.0)
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if MODE == SWIGLU_FWD:
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            b2_base = b2_ptr + e.to(tl.int64) * stride_be
+        for k in range(0, Kd, BLOCK_K):
+            ks = k + offs_k
+            mask_k = ks < Kd
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if HAS_A_SCALE:
+                a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
+            b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
+            b_mask = mask_k[:, None] & mask_n[None, :]
+            acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc)
+            if MODE == SWIGLU_FWD:
+                acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3)
+        if MODE == DUAL:
+            b2_base = b2_ptr + e.to(tl.int64) * stride_be
+            for k in range(0, Kd, BLOCK_K):
+                ks = k + offs_k
+                mask_k = ks < Kd
+                a2 = tl.load(a2_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b2 = tl.load(b2_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                             mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = tl.dot(a2, b2, acc)
+
+        if HAS_C_ROW:
+            c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+        else:
+            c_rows = rows.to(tl.int64)
+        mask_c = mask_m[:, None] & mask_n[None, :]
+        c_offs = c_rows[:, None] * stride_cm + cols[None, :]
+        aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
+        out_ty = c_ptr.dtype.element_ty
+        if MODE == SWIGLU_FWD:
+            # Round the pre-activations to the storage dtype first, as separate GEMM and
+            # SwiGLU ops would, so forward and backward see the same a1, a3.
+            a1 = acc.to(out_ty)
+            a3 = acc3.to(out_ty)
+            tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
+            tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
+            a1f = a1.to(tl.float32)
+            h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+            tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
+        elif MODE == SWIGLU_BWD:
+            a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+            a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(a1f)
+            silu = a1f * sig
+            d_a1 = acc * a3f * (sig + silu * (1.0 - sig))
+            tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
+            tl.store(c2_ptr + c_offs, (acc * silu).to(out_ty), mask=mask_c)
+        else:
+            tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+
+
+def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:
+    if tiles.num_programs is not None:
+        return max(1, min(tiles.num_programs, upper_tiles))
+    if device.type != "cuda":
+        return max(1, min(4, upper_tiles))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = 1 if tiles.block_m * tiles.block_n >= 128 * 128 else 2
+    return max(1, min(sms * per_sm, upper_tiles))
+
+
+def tile_offsets(rows_per_expert_E: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E+1,) int32 row offsets and (E+1,) int32 row-tile offsets, computed on device."""
+    zero = rows_per_expert_E.new_zeros(1)
+    expert_offsets = torch.cat([zero, torch.cumsum(rows_per_expert_E, 0)]).to(torch.int32)
+    tiles = torch.cat([zero, torch.cumsum((rows_per_expert_E + block_m - 1) // block_m, 0)])
+    return expert_offsets, tiles.to(torch.int32)
+
+
+def _weight_view(w_E: torch.Tensor, transpose: bool) -> tuple[int, int, int, int, int]:
+    """(Kd, N, stride_be, stride_bk, stride_bn) for B[e] = w[e] (transpose=False) or w[e]^T."""
+    _, rows, cols = w_E.shape
+    s_e, s_r, s_c = w_E.stride()
+    if transpose:
+        return cols, rows, s_e, s_c, s_r
+    return rows, cols, s_e, s_r, s_c
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w_E: torch.Tensor,
+    offsets: tuple[torch.Tensor, torch.Tensor],
+    num_rows: int,
+    *,
+    transpose_w: bool,
+    tiles: GemmTiles,
+    mode: int = PLAIN,
+    a2: torch.Tensor | None = None,
+    w2_E: torch.Tensor | None = None,
+    a_row: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+    c_row: torch.Tensor | None = None,
+    out_rows: int | None = None,
+    aux: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Launch the grouped GEMM (see the module docstring). ``num_rows`` = R, a host-side
+    upper bound of the plan's rows (used to size outputs and the grid; no sync).
+
+    Returns ``C`` (PLAIN, DUAL), ``(h, a1, a3)`` (SWIGLU_FWD) or ``(d_a1, d_a3)`` (SWIGLU_BWD).
+    """
+    expert_offsets, tile_offs = offsets
+    num_experts = w_E.shape[0]
+    Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
+    if a.shape[1] != Kd or not a.is_contiguous():
+        raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")
+    if w2_E is not None and (w2_E.shape != w_E.shape or w2_E.stride() != w_E.stride()):
+        raise ValueError("grouped_gemm: the second weight must have the first one's shape and strides")
+    rows_c = num_rows if out_rows is None else out_rows
+    c = a.new_empty(rows_c, N)
+    c2 = a.new_empty(rows_c, N) if mode == SWIGLU_BWD else c
+    if mode == SWIGLU_FWD:
+        aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
+    aux1, aux3 = aux if aux is not None else (c, c)
+    upper_tiles = (triton.cdiv(num_rows, tiles.block_m) + num_experts) * triton.cdiv(N, tiles.block_n)
+    programs = _num_programs(tiles, a.device, upper_tiles)
+    dummy = expert_offsets
+    _grouped_gemm_kernel[(programs,)](
+        a, a if a2 is None else a2,
+        dummy if a_row is None else a_row,
+        dummy if a_scale is None else a_scale,
+        w_E, w_E if w2_E is None else w2_E,
+        c, c2,
+        dummy if c_row is None else c_row,
+        aux1, aux3,
+        expert_offsets, tile_offs,
+        N, Kd, num_experts,
+        a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
+        MODE=mode,
+        HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
+        NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if mode == SWIGLU_FWD:
+        return c, aux[0], aux[1]
+    if mode == SWIGLU_BWD:
+        return c, c2
+    return c
+
+
+def grouped_gemm_reference(
+    a: torch.Tensor,
+    w_E: torch.Tensor,
+    rows_per_expert: list[int],
+    *,
+    transpose_w: bool,
+    a_row: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-PyTorch ``PLAIN`` mode in fp32: row r of expert e is ``A[a_row[r]] @ B[e]``."""
+    rows = a if a_row is None else a[a_row.long()]
+    rows = rows.float()
+    if a_scale is not None:
+        rows = rows * a_scale[:, None]
+    outs = []
+    for e, block in enumerate(torch.split(rows, rows_per_expert)):
+        w = w_E[e].float()
+        outs.append(block @ (w.t() if transpose_w else w))
+    return torch.cat(outs)
