@@ -1,0 +1,198 @@
+"""UniEP layer vs TorchTitan 0.2.2's MoE, side by side in one process (one GPU).
+
+    python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep]
+
+For each shape: same weights and inputs for both layers; correctness first (relative
+error of output and input gradient against an fp32 computation of the same routing),
+then median forward and forward+backward times (CUDA events, after warm-up), routed-
+expert TFLOP/s, peak memory, and the TorchTitan/UniEP time ratio. The dense bf16
+matmul rate measured in the same run is printed for scale. ``--sweep`` also times a
+few GEMM tile settings of UniEP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+# shape name -> (tokens, dim, moe hidden, experts, top-k, shared experts, score func, route_norm)
+SHAPES = {
+    "qwen3": (16384, 2048, 768, 128, 8, 0, "softmax", True),
+    "dsv3_16b": (16384, 2048, 1408, 64, 6, 2, "softmax", False),
+    "dsv3_671b": (8192, 7168, 2048, 32, 8, 0, "sigmoid", True),
+    "qwen3_4k": (4096, 2048, 768, 128, 8, 0, "softmax", True),
+    "qwen3_32k": (32768, 2048, 768, 128, 8, 0, "softmax", True),
+}
+
+SWEEP = {
+    "bm128_bn128_bk64_w8_s3": dict(gemm_block_m=128, gemm_block_n=128, gemm_block_k=64, gemm_num_warps=8, gemm_num_stages=3),
+    "bm128_bn256_bk64_w8_s3": dict(gemm_block_m=128, gemm_block_n=256, gemm_block_k=64, gemm_num_warps=8, gemm_num_stages=3),
+    "bm64_bn128_bk64_w4_s4": dict(gemm_block_m=64, gemm_block_n=128, gemm_block_k=64, gemm_num_warps=4, gemm_num_stages=4),
+    "wgrad_bm128_bn128_bk32": dict(wgrad_block_m=128, wgrad_block_n=128, wgrad_block_k=32),
+    "wgrad_bm64_bn128_bk64_w4": dict(wgrad_block_m=64, wgrad_block_n=128, wgrad_block_k=64, wgrad_num_warps=4),
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    layer: str
+    rel_err_out: float
+    rel_err_grad_x: float
+    fwd_ms: float
+    fwd_bwd_ms: float
+    tflops_fwd_bwd: float
+    peak_gib: float
+    speedup_fwd_bwd: float = 1.0
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def dense_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, 5, 20)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def build_layers(shape, dtype=torch.bfloat16):
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    from uniep import UniEPConfig, UniEPMoE
+
+    T, D, H, E, K, S, score_func, route_norm = SHAPES[shape]
+    args = MoEArgs(num_experts=E, num_shared_experts=S, top_k=K, score_func=score_func,
+                   route_norm=route_norm, score_before_experts=False, load_balance_coeff=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        titan = MoE(args, dim=D, hidden_dim=H)
+        with torch.no_grad():
+            titan.init_weights(0.02, torch.device("cuda"))
+    titan.to(dtype)
+    uniep = UniEPMoE.from_torchtitan(copy.deepcopy(titan), UniEPConfig(backend="triton"))
+    return titan, uniep, T, D, H, E, K
+
+
+def fp32_reference(uniep, x, grad):
+    """Output and input gradient of the same layer in fp32 on the PyTorch path."""
+    from uniep import UniEPConfig
+
+    ref = copy.deepcopy(uniep).float()
+    ref.config = UniEPConfig(backend="torch")
+    xr = x.detach().float().requires_grad_(True)
+    out = ref(xr)
+    out.backward(grad.float())
+    return out.detach(), xr.grad
+
+
+def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
+    xi = x.detach().clone().requires_grad_(True)
+    out = layer(xi)
+    out.backward(grad)
+    errs = rel_err(out, ref[0]), rel_err(xi.grad, ref[1])
+    if not all(e < 5e-2 for e in errs):
+        raise SystemExit(f"{name}: relative error {errs} vs fp32; not timing a wrong result")
+
+    def fwd():
+        with torch.no_grad():
+            layer(x)
+
+    def fwd_bwd():
+        xi = x.detach().requires_grad_(True)
+        layer(xi).backward(grad)
+        layer.zero_grad(set_to_none=True)
+
+    fwd_ms = bench(fwd, warmup, iters)
+    fwd_bwd_ms = bench(fwd_bwd, warmup, iters)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak)
+
+
+def run_shape(shape, args) -> list[Row]:
+    titan, uniep, T, D, H, E, K = build_layers(shape)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = fp32_reference(uniep, x, grad)
+    flops = 3 * 3 * 2 * T * K * D * H  # routed-expert GEMMs: 3 forward, 6 backward
+    rows = [measure("torchtitan", titan, x, grad, ref, flops, args.warmup, args.iters)]
+    rows.append(measure("uniep", uniep, x, grad, ref, flops, args.warmup, args.iters))
+    if args.sweep:
+        from uniep import UniEPConfig
+
+        for label, knobs in SWEEP.items():
+            variant = copy.copy(uniep)
+            variant.config = replace(UniEPConfig(backend="triton"), **knobs)
+            rows.append(measure(f"uniep[{label}]", variant, x, grad, ref, flops, args.warmup, args.iters))
+    for row in rows:
+        row.shape = shape
+        row.speedup_fwd_bwd = rows[0].fwd_bwd_ms / row.fwd_bwd_ms
+    del titan, uniep
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="qwen3,dsv3_16b,dsv3_671b,qwen3_4k,qwen3_32k")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", help="write the table here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe.py needs a CUDA GPU")
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"--shapes: unknown {unknown}; allowed: {', '.join(SHAPES)}")
+
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    dense = dense_tflops()
+    print(f"dense bf16 8192^3 matmul: {dense:.0f} TFLOP/s", flush=True)
+    rows = []
+    for shape in shapes:
+        rows += run_shape(shape, args)
+        for row in rows[-(2 + (len(SWEEP) if args.sweep else 0)):]:
+            print(f"  {row.shape:10s} {row.layer:34s} fwd {row.fwd_ms:7.2f} ms  fwd+bwd {row.fwd_bwd_ms:7.2f} ms  "
+                  f"{row.tflops_fwd_bwd:5.0f} TFLOP/s  peak {row.peak_gib:5.2f} GiB  x{row.speedup_fwd_bwd:.2f}  "
+                  f"err out {row.rel_err_out:.2e} dx {row.rel_err_grad_x:.2e}", flush=True)
+
+    header = "| shape | layer | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | speedup | rel err out | rel err dx |"
+    print("\n" + header + "\n|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r.shape} | {r.layer} | {r.fwd_ms:.2f} | {r.fwd_bwd_ms:.2f} | {r.tflops_fwd_bwd:.0f} | "
+              f"{r.peak_gib:.2f} | {r.speedup_fwd_bwd:.2f} | {r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dense_tflops": dense, "rows": [asdict(r) for r in rows]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
