@@ -96,13 +96,16 @@ def build_layers(shape, dtype=torch.bfloat16):
 
 
 def fp32_reference(uniep, x, grad):
-    """Output and input gradient of the same layer in fp32 on the PyTorch path."""
+    """Output and input gradient of the same layer in fp32 on the PyTorch path, replaying
+    the bf16 layer's expert choice (an fp32 router would flip near-tied choices)."""
     from uniep import UniEPConfig
 
+    with torch.no_grad():
+        _, topk_idx = uniep.router(x.reshape(-1, x.shape[-1]), uniep.expert_bias)
     ref = copy.deepcopy(uniep).float()
     ref.config = UniEPConfig(backend="torch")
     xr = x.detach().float().requires_grad_(True)
-    out = ref(xr)
+    out = ref(xr, topk_idx=topk_idx)
     out.backward(grad.float())
     return out.detach(), xr.grad
 

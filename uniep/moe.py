@@ -180,14 +180,15 @@ class UniEPMoE(nn.Module):
 
     # forward ----------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, S, D) -> (B, S, D)."""
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, S, D) -> (B, S, D). ``topk_idx`` (B*S, K), if given, replaces the
+        router's expert choice (to replay a routing; the scores still come from ``x``)."""
         if x.dim() != 3:
             raise ValueError(f"UniEPMoE expects x of shape (batch, seq, dim); got {tuple(x.shape)}")
         B, S, D = x.shape
         x_TD = x.reshape(B * S, D)
 
-        top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias)
+        top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
         counts_E = local_counts(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)

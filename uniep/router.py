@@ -72,9 +72,14 @@ class TopKRouter(nn.Module):
         return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
     def forward(
-        self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
+        self,
+        x_TD: torch.Tensor,
+        expert_bias_E: torch.Tensor | None = None,
+        topk_idx_TK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``."""
+        """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``. A given ``topk_idx_TK``
+        replaces the selection (replaying another layer's routing, e.g. in an fp32
+        reference); the scores are still computed from ``x``."""
         logits_TE = self.gate(x_TD)
         # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
         if self.score_func == "sigmoid":
@@ -82,12 +87,12 @@ class TopKRouter(nn.Module):
         else:
             scores_TE = F.softmax(logits_TE.float(), dim=1)
 
-        if self.force_load_balance:
+        if topk_idx_TK is None and self.force_load_balance:
             n = x_TD.shape[0]
             topk_idx_TK = (
                 torch.arange(n * self.top_k, device=x_TD.device).view(n, self.top_k) % self.num_experts
             )
-        else:
+        elif topk_idx_TK is None:
             choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
             if self.num_expert_groups is not None:
                 choice_TE = self._limit_groups(choice_TE)

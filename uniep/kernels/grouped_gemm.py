@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
+# Kernels may only read globals that are constexpr objects.
+_SWIGLU_FWD, _SWIGLU_BWD, _DUAL = tl.constexpr(SWIGLU_FWD), tl.constexpr(SWIGLU_BWD), tl.constexpr(DUAL)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def _grouped_gemm_kernel(
             scale = tl.load(a_scale_ptr + rows, mask=mask_m, other=0.0)
         b_base = b_ptr + e.to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if MODE == SWIGLU_FWD:
+        if MODE == _SWIGLU_FWD:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             b2_base = b2_ptr + e.to(tl.int64) * stride_be
         for k in range(0, Kd, BLOCK_K):
@@ -118,9 +120,9 @@ def _grouped_gemm_kernel(
             b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
             b_mask = mask_k[:, None] & mask_n[None, :]
             acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc)
-            if MODE == SWIGLU_FWD:
+            if MODE == _SWIGLU_FWD:
                 acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3)
-        if MODE == DUAL:
+        if MODE == _DUAL:
             b2_base = b2_ptr + e.to(tl.int64) * stride_be
             for k in range(0, Kd, BLOCK_K):
                 ks = k + offs_k
@@ -139,7 +141,7 @@ def _grouped_gemm_kernel(
         c_offs = c_rows[:, None] * stride_cm + cols[None, :]
         aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
         out_ty = c_ptr.dtype.element_ty
-        if MODE == SWIGLU_FWD:
+        if MODE == _SWIGLU_FWD:
             # Round the pre-activations to the storage dtype first, as separate GEMM and
             # SwiGLU ops would, so forward and backward see the same a1, a3.
             a1 = acc.to(out_ty)
@@ -149,7 +151,7 @@ def _grouped_gemm_kernel(
             a1f = a1.to(tl.float32)
             h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
             tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
-        elif MODE == SWIGLU_BWD:
+        elif MODE == _SWIGLU_BWD:
             a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
             a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
             sig = tl.sigmoid(a1f)
