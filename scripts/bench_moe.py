@@ -138,6 +138,17 @@ def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
     return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak)
 
 
+def profile_kernels(layer, x, grad) -> None:
+    """Device time per kernel of one UniEP forward+backward (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    xi = x.detach().requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(xi).backward(grad)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
 def run_shape(shape, args) -> list[Row]:
     titan, uniep, T, D, H, E, K = build_layers(shape)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -159,6 +170,8 @@ def run_shape(shape, args) -> list[Row]:
                 rows.append(measure(f"uniep[{label}]", variant, x, grad, ref, flops, args.warmup, args.iters))
             except OutOfResources as e:
                 print(f"  {shape} uniep[{label}]: skipped ({e})", flush=True)
+    if args.profile:
+        profile_kernels(uniep, x, grad)
     for row in rows:
         row.shape = shape
         row.speedup_fwd_bwd = rows[0].fwd_bwd_ms / row.fwd_bwd_ms
@@ -172,7 +185,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,dsv3_16b,dsv3_671b,qwen3_4k,qwen3_32k")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time a few tile settings")
+    parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
