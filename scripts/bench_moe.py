@@ -30,12 +30,14 @@ SHAPES = {
 }
 
 SWEEP = {
-    "bm128_bn128_bk64_w8_s3": dict(gemm_block_m=128, gemm_block_n=128, gemm_block_k=64, gemm_num_warps=8, gemm_num_stages=3),
-    "bm128_bn256_bk64_w8_s2": dict(gemm_block_m=128, gemm_block_n=256, gemm_block_k=64, gemm_num_warps=8, gemm_num_stages=2),
-    "bm128_bn128_bk64_w8_s4": dict(gemm_block_m=128, gemm_block_n=128, gemm_block_k=64, gemm_num_warps=8, gemm_num_stages=4),
-    "bm64_bn128_bk64_w4_s4": dict(gemm_block_m=64, gemm_block_n=128, gemm_block_k=64, gemm_num_warps=4, gemm_num_stages=4),
-    "wgrad_bm128_bn128_bk32": dict(wgrad_block_m=128, wgrad_block_n=128, wgrad_block_k=32),
-    "wgrad_bm64_bn128_bk64_w4": dict(wgrad_block_m=64, wgrad_block_n=128, wgrad_block_k=64, wgrad_num_warps=4),
+    "gemm_s4": dict(gemm_num_stages=4),
+    "gemm_s4_wg_bk128": dict(gemm_num_stages=4, wgrad_block_k=128),
+    "gemm_s4_wg_bn256_s3": dict(gemm_num_stages=4, wgrad_block_n=256),
+    "gemm_s4_wg_bm64_bn256": dict(gemm_num_stages=4, wgrad_block_m=64, wgrad_block_n=256),
+    "gemm_s4_wg_s4": dict(gemm_num_stages=4, wgrad_num_stages=4),
+    "gemm_s4_wg_bm64_w4_s4": dict(gemm_num_stages=4, wgrad_block_m=64, wgrad_num_warps=4, wgrad_num_stages=4),
+    "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
+    "gemm_s5": dict(gemm_num_stages=5),
 }
 
 
