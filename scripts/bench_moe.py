@@ -30,14 +30,11 @@ SHAPES = {
 }
 
 SWEEP = {
-    "gemm_s4": dict(gemm_num_stages=4),
-    "gemm_s4_wg_bk128": dict(gemm_num_stages=4, wgrad_block_k=128),
-    "gemm_s4_wg_bn256_s3": dict(gemm_num_stages=4, wgrad_block_n=256),
-    "gemm_s4_wg_bm64_bn256": dict(gemm_num_stages=4, wgrad_block_m=64, wgrad_block_n=256),
-    "gemm_s4_wg_s4": dict(gemm_num_stages=4, wgrad_num_stages=4),
-    "gemm_s4_wg_bm64_w4_s4": dict(gemm_num_stages=4, wgrad_block_m=64, wgrad_num_warps=4, wgrad_num_stages=4),
-    "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
-    "gemm_s5": dict(gemm_num_stages=5),
+    "wg_s4": dict(wgrad_num_stages=4),
+    "wg_bn128_bk128": dict(wgrad_block_n=128, wgrad_block_k=128),
+    "wg_bm64_bk128": dict(wgrad_block_m=64, wgrad_block_k=128),
+    "gemm_bm64_bn256_s3": dict(gemm_block_m=64, gemm_block_n=256, gemm_num_stages=3),
+    "gemm_bn64_s4": dict(gemm_block_n=64, gemm_num_warps=4),
 }
 
 

@@ -46,13 +46,15 @@ class UniEPConfig:
     """Reduction step (16..256, power of 2). Changes bits."""
     gemm_num_warps: int = 8
     """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
-    gemm_num_stages: int = 3
-    """Software-pipelining depth (1..8). Does not change bits."""
+    gemm_num_stages: int = 4
+    """Software-pipelining depth (1..8). Does not change bits. (H200, Qwen3-30B-A3B
+    shape: 4 stages 1.48x TorchTitan vs 1.42x with 3; 5 exceeds shared memory.)"""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). Changes bits."""
-    wgrad_block_n: int = 128
-    """Weight-gradient tile columns (16..256, power of 2). Changes bits."""
+    wgrad_block_n: int = 256
+    """Weight-gradient tile columns (16..256, power of 2). Changes bits. (H200: 256
+    took fwd+bwd from 13.3 to 11.6 ms at the Qwen3-30B-A3B shape.)"""
     wgrad_block_k: int = 64
     """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
     wgrad_num_warps: int = 8
