@@ -30,11 +30,9 @@ SHAPES = {
 }
 
 SWEEP = {
+    "wg_up_bn256": dict(wgrad_up_block_n=256),
+    "wg_up_bn64": dict(wgrad_up_block_n=64),
     "wg_s4": dict(wgrad_num_stages=4),
-    "wg_bn128_bk128": dict(wgrad_block_n=128, wgrad_block_k=128),
-    "wg_bm64_bk128": dict(wgrad_block_m=64, wgrad_block_k=128),
-    "gemm_bm64_bn256_s3": dict(gemm_block_m=64, gemm_block_n=256, gemm_num_stages=3),
-    "gemm_bn64_s4": dict(gemm_block_n=64, gemm_num_warps=4),
 }
 
 

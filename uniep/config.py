@@ -57,6 +57,9 @@ class UniEPConfig:
     took fwd+bwd from 13.3 to 11.6 ms at the Qwen3-30B-A3B shape.)"""
     wgrad_block_k: int = 64
     """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
+    wgrad_up_block_n: int = 128
+    """Tile columns of the fused w1/w3 gradient, which holds two accumulators (16..256,
+    power of 2). Changes bits."""
     wgrad_num_warps: int = 8
     """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
     wgrad_num_stages: int = 3
@@ -70,7 +73,7 @@ class UniEPConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_value(f.name, getattr(self, f.name), hints[f.name])
-        for name in ("gemm_block_m", "gemm_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k"):
+        for name in ("gemm_block_m", "gemm_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k", "wgrad_up_block_n"):
             value = getattr(self, name)
             if value not in _BLOCK_SIZES:
                 raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: {_BLOCK_SIZES}")

@@ -79,3 +79,15 @@ def test_wgrad_matches_reference(T, K, E, M, N, kind, dtype):
     torch.testing.assert_close(out, ref, **TOL[dtype])
     empty = (counts == 0).nonzero().flatten()
     assert torch.count_nonzero(out[empty]) == 0
+
+
+def test_wgrad_with_two_inputs_shares_the_b_rows():
+    gen = torch.Generator().manual_seed(5)
+    _, order, counts = make_routing(10, 2, 4, "skewed", gen)
+    a, a2 = torch.randn(20, 24, generator=gen), torch.randn(20, 24, generator=gen)
+    b = torch.randn(10, 40, generator=gen)
+    b_row = (order // 2).to(torch.int32)
+    expert_offsets, _ = tile_offsets(counts, 16)
+    c, c2 = grouped_wgrad(a, b, expert_offsets, 4, tiles=TILES, out_dtype=torch.float32, b_row=b_row, a2=a2)
+    assert torch.equal(c, grouped_wgrad(a, b, expert_offsets, 4, tiles=TILES, out_dtype=torch.float32, b_row=b_row))
+    torch.testing.assert_close(c2, grouped_wgrad_reference(a2, b, counts.tolist(), b_row=b_row), rtol=1e-5, atol=1e-5)

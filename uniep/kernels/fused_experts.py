@@ -10,8 +10,9 @@ Forward (3 launches):
   3. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
 Backward (6 launches): combine backward; down dgrad with the SwiGLU backward in the
 epilogue; up dgrad (w1 and w3 in one accumulator) scattered to (token, k) order;
-fixed-order sum of each token's K input gradients; three weight-gradient GEMMs that
-each sum an expert's rows in plan order inside one program.
+fixed-order sum of each token's K input gradients; two weight-gradient GEMMs (w2, and
+w1 with w3 from shared token loads) that each sum an expert's rows in plan order inside
+one program.
 
 ``score_before_experts`` scales each gathered x row by its score (fp32, rounded to the
 input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
@@ -36,7 +37,7 @@ from uniep.kernels.wgrad import grouped_wgrad
 
 class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles, wgrad_tiles):
+    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles, wgrad_tiles, wgrad_up_tiles):
         T, K = scores_TK.shape
         P = T * K
         param_dtypes = (w1.dtype, w2.dtype, w3.dtype)
@@ -57,6 +58,7 @@ class FusedExpertsFunction(torch.autograd.Function):
 
         ctx.save_for_backward(x_TD, scores_TK, pair_of_row, token_of_row, row_scale, *offsets, h, a1, a3, y_PD, w1, w2, w3)
         ctx.score_before, ctx.tiles, ctx.wgrad_tiles, ctx.num_experts = score_before, tiles, wgrad_tiles, w1.shape[0]
+        ctx.wgrad_up_tiles = wgrad_up_tiles
         ctx.param_dtypes = param_dtypes
         return out
 
@@ -92,9 +94,12 @@ class FusedExpertsFunction(torch.autograd.Function):
         # written straight from the fp32 accumulators in the parameters' dtypes
         dt1, dt2, dt3 = ctx.param_dtypes
         grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wtiles, out_dtype=dt2, a_row=pair_of_row)
-        grad_w1 = grouped_wgrad(d_a1, x_TD, expert_offsets, E, tiles=wtiles, out_dtype=dt1, b_row=token_of_row, b_scale=row_scale)
-        grad_w3 = grouped_wgrad(d_a3, x_TD, expert_offsets, E, tiles=wtiles, out_dtype=dt3, b_row=token_of_row, b_scale=row_scale)
-        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None, None
+        grad_w1, grad_w3 = grouped_wgrad(
+            d_a1, x_TD, expert_offsets, E, tiles=ctx.wgrad_up_tiles, out_dtype=dt1,
+            b_row=token_of_row, b_scale=row_scale, a2=d_a3,
+        )
+        grad_w3 = grad_w3.to(dt3)
+        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None, None, None
 
 
 def fused_experts(
@@ -109,6 +114,7 @@ def fused_experts(
     score_before_experts: bool,
     tiles: GemmTiles,
     wgrad_tiles: GemmTiles,
+    wgrad_up_tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """(T, D): sum over k of score[t, k] * expert_{idx[t, k]}(x[t]) (see module docstring).
 
@@ -118,7 +124,7 @@ def fused_experts(
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
     return FusedExpertsFunction.apply(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
-        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles, wgrad_tiles,
+        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles, wgrad_tiles, wgrad_up_tiles or wgrad_tiles,
     )
 
 
