@@ -30,9 +30,9 @@ SHAPES = {
 }
 
 SWEEP = {
-    "wg_up_bn256": dict(wgrad_up_block_n=256),
-    "wg_up_bn64": dict(wgrad_up_block_n=64),
-    "wg_s4": dict(wgrad_num_stages=4),
+    "gemm_bn256_s3": dict(gemm_block_n=256, gemm_num_stages=3),
+    "gemm_bn256_s3_w4": dict(gemm_block_n=256, gemm_num_stages=3, gemm_num_warps=4),
+    "gemm_bn256_s2": dict(gemm_block_n=256, gemm_num_stages=2),
 }
 
 

@@ -41,7 +41,11 @@ class UniEPConfig:
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
     Changes the bits of bf16 results."""
     gemm_block_n: int = 128
-    """Output columns per tile (16..256, power of 2). Changes bits."""
+    """Output columns per tile of the single-accumulator GEMMs: down projection and the
+    two input-gradient GEMMs (16..256, power of 2). Changes bits."""
+    gemm_up_block_n: int = 128
+    """Output columns per tile of the gate/up GEMM, which holds two accumulators (w1 and
+    w3) (16..256, power of 2). Changes bits."""
     gemm_block_k: int = 64
     """Reduction step (16..256, power of 2). Changes bits."""
     gemm_num_warps: int = 8
@@ -73,7 +77,7 @@ class UniEPConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_value(f.name, getattr(self, f.name), hints[f.name])
-        for name in ("gemm_block_m", "gemm_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k", "wgrad_up_block_n"):
+        for name in ("gemm_block_m", "gemm_block_n", "gemm_up_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k", "wgrad_up_block_n"):
             value = getattr(self, name)
             if value not in _BLOCK_SIZES:
                 raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: {_BLOCK_SIZES}")

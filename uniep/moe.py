@@ -237,11 +237,13 @@ class UniEPMoE(nn.Module):
         programs = c.num_programs or None
         # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
         send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
+        gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs)
         return fused_experts(
             x_TD, top_scores_TK, send_order, counts_E, *self.experts.local_weights(),
             score_before_experts=self.score_before_experts,
-            tiles=GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs),
+            tiles=gemm,
+            up_tiles=dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
             wgrad_tiles=wgrad,
             wgrad_up_tiles=dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n),
         )

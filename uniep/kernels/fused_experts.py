@@ -37,7 +37,7 @@ from uniep.kernels.wgrad import grouped_wgrad
 
 class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles, wgrad_tiles, wgrad_up_tiles):
+    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles, up_tiles, wgrad_tiles, wgrad_up_tiles):
         T, K = scores_TK.shape
         P = T * K
         param_dtypes = (w1.dtype, w2.dtype, w3.dtype)
@@ -49,7 +49,7 @@ class FusedExpertsFunction(torch.autograd.Function):
 
         # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
         h, a1, a3 = grouped_gemm(
-            x_TD, w1, offsets, P, transpose_w=True, tiles=tiles, mode=SWIGLU_FWD,
+            x_TD, w1, offsets, P, transpose_w=True, tiles=up_tiles, mode=SWIGLU_FWD,
             w2_E=w3, a_row=token_of_row, a_scale=row_scale,
         )
         # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
@@ -99,7 +99,7 @@ class FusedExpertsFunction(torch.autograd.Function):
             b_row=token_of_row, b_scale=row_scale, a2=d_a3,
         )
         grad_w3 = grad_w3.to(dt3)
-        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None, None, None
+        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None, None, None, None
 
 
 def fused_experts(
@@ -114,17 +114,27 @@ def fused_experts(
     score_before_experts: bool,
     tiles: GemmTiles,
     wgrad_tiles: GemmTiles,
+    up_tiles: GemmTiles | None = None,
     wgrad_up_tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """(T, D): sum over k of score[t, k] * expert_{idx[t, k]}(x[t]) (see module docstring).
 
     ``send_order_P`` (P,) int64 is the plan's row order (pair ids ``t*K + k`` sorted by
     expert); ``rows_per_expert_E`` (E,) int64 its per-expert counts, on the device.
+    ``up_tiles`` / ``wgrad_up_tiles`` (default: ``tiles`` / ``wgrad_tiles``) are used by
+    the two-accumulator launches (gate/up forward, w1/w3 gradient); their ``block_m``
+    must equal ``tiles.block_m``.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
+    if up_tiles is not None and up_tiles.block_m != tiles.block_m:
+        raise ValueError(
+            f"fused_experts: up_tiles.block_m = {up_tiles.block_m} must equal tiles.block_m = "
+            f"{tiles.block_m} (both launches share the row-tile schedule)"
+        )
     return FusedExpertsFunction.apply(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
-        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles, wgrad_tiles, wgrad_up_tiles or wgrad_tiles,
+        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles, up_tiles or tiles, wgrad_tiles,
+        wgrad_up_tiles or wgrad_tiles,
     )
 
 
