@@ -31,8 +31,7 @@ SHAPES = {
 
 SWEEP = {
     "gemm_bn256_s3": dict(gemm_block_n=256, gemm_num_stages=3),
-    "gemm_bn256_s3_w4": dict(gemm_block_n=256, gemm_num_stages=3, gemm_num_warps=4),
-    "gemm_bn256_s2": dict(gemm_block_n=256, gemm_num_stages=2),
+    "wgrad_bn128": dict(wgrad_block_n=128),
 }
 
 

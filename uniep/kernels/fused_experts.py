@@ -14,6 +14,10 @@ fixed-order sum of each token's K input gradients; two weight-gradient GEMMs (w2
 w1 with w3 from shared token loads) that each sum an expert's rows in plan order inside
 one program.
 
+Registered as the custom ops ``uniep::fused_experts_fwd`` / ``uniep::fused_experts_bwd``
+with fake (meta) implementations and autograd, so ``torch.compile`` traces through them
+without graph breaks and activation checkpointing sees ordinary ops.
+
 ``score_before_experts`` scales each gathered x row by its score (fp32, rounded to the
 input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
 """
@@ -35,71 +39,130 @@ from uniep.kernels.grouped_gemm import (
 from uniep.kernels.wgrad import grouped_wgrad
 
 
-class FusedExpertsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles, up_tiles, wgrad_tiles, wgrad_up_tiles):
-        T, K = scores_TK.shape
-        P = T * K
-        param_dtypes = (w1.dtype, w2.dtype, w3.dtype)
-        w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
-        offsets = tile_offsets(rows_per_expert_E, tiles.block_m)
-        pair_of_row = send_order_P.to(torch.int32)
-        token_of_row = (send_order_P // K).to(torch.int32)
-        row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+# Tile settings travel through the custom ops as a flat list of ints: for each of the
+# four tile sets (tiles, up_tiles, wgrad_tiles, wgrad_up_tiles), these fields in order.
+_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs")
 
-        # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
-        h, a1, a3 = grouped_gemm(
-            x_TD, w1, offsets, P, transpose_w=True, tiles=up_tiles, mode=SWIGLU_FWD,
-            w2_E=w3, a_row=token_of_row, a_scale=row_scale,
-        )
-        # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
-        y_PD = grouped_gemm(h, w2, offsets, P, transpose_w=True, tiles=tiles, mode=PLAIN, c_row=pair_of_row)
-        out = topk_combine(y_PD, None if score_before else scores_TK, K)
 
-        ctx.save_for_backward(x_TD, scores_TK, pair_of_row, token_of_row, row_scale, *offsets, h, a1, a3, y_PD, w1, w2, w3)
-        ctx.score_before, ctx.tiles, ctx.wgrad_tiles, ctx.num_experts = score_before, tiles, wgrad_tiles, w1.shape[0]
-        ctx.wgrad_up_tiles = wgrad_up_tiles
-        ctx.param_dtypes = param_dtypes
-        return out
+def _pack_tiles(*tile_sets: GemmTiles) -> list[int]:
+    return [getattr(t, f) or 0 for t in tile_sets for f in _TILE_FIELDS]
 
-    @staticmethod
-    def backward(ctx, grad_out_TD):
-        x_TD, scores_TK, pair_of_row, token_of_row, row_scale, expert_offsets, tile_offs, h, a1, a3, y_PD, w1, w2, w3 = ctx.saved_tensors
-        T, K = scores_TK.shape
-        P = T * K
-        E = ctx.num_experts
-        tiles, wtiles = ctx.tiles, ctx.wgrad_tiles
-        offsets = (expert_offsets, tile_offs)
-        grad_out_TD = grad_out_TD.contiguous()
 
-        # grad of y in (token, k) order; grad of the scores when applied after the experts
-        grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if ctx.score_before else scores_TK, K)
-        # B[e] = w2[e] is (D, H): d h = grad_y @ w2[e], then SwiGLU backward
-        d_a1, d_a3 = grouped_gemm(
-            grad_y_PD, w2, offsets, P, transpose_w=False, tiles=tiles, mode=SWIGLU_BWD,
-            a_row=pair_of_row, aux=(a1, a3),
-        )
-        # B[e] = w1[e] is (H, D): d rows = d_a1 @ w1[e] + d_a3 @ w3[e], to (token, k) order
-        d_rows_PD = grouped_gemm(
-            d_a1, w1, offsets, P, transpose_w=False, tiles=tiles, mode=DUAL,
-            a2=d_a3, w2_E=w3, c_row=pair_of_row,
-        )
-        if ctx.score_before:
-            grad_x = topk_combine(d_rows_PD, scores_TK, K)
-            grad_scores = (d_rows_PD.view(T, K, -1).float() * x_TD.float().unsqueeze(1)).sum(-1)
-        else:
-            grad_x = topk_combine(d_rows_PD, None, K)
+def _unpack_tiles(packed: list[int]) -> list[GemmTiles]:
+    n = len(_TILE_FIELDS)
+    return [
+        GemmTiles(*packed[i : i + n - 1], num_programs=packed[i + n - 1] or None)
+        for i in range(0, len(packed), n)
+    ]
 
-        # weight gradients: one program per output tile walks its expert's rows in order
-        # written straight from the fp32 accumulators in the parameters' dtypes
-        dt1, dt2, dt3 = ctx.param_dtypes
-        grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wtiles, out_dtype=dt2, a_row=pair_of_row)
-        grad_w1, grad_w3 = grouped_wgrad(
-            d_a1, x_TD, expert_offsets, E, tiles=ctx.wgrad_up_tiles, out_dtype=dt1,
-            b_row=token_of_row, b_scale=row_scale, a2=d_a3,
-        )
-        grad_w3 = grad_w3.to(dt3)
-        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None, None, None, None
+
+@torch.library.custom_op("uniep::fused_experts_fwd", mutates_args=())
+def _fused_experts_fwd(
+    x_TD: torch.Tensor, scores_TK: torch.Tensor, send_order_P: torch.Tensor, rows_per_expert_E: torch.Tensor,
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, score_before: bool, tiles: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out (T, D), h, a1, a3 (P, H), y (P, D), expert_offsets, tile_offsets (E+1,))."""
+    gemm, up, _, _ = _unpack_tiles(tiles)
+    T, K = scores_TK.shape
+    P = T * K
+    w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
+    offsets = tile_offsets(rows_per_expert_E, gemm.block_m)
+    pair_of_row = send_order_P.to(torch.int32)
+    token_of_row = (send_order_P // K).to(torch.int32)
+    row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+
+    # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
+    h, a1, a3 = grouped_gemm(
+        x_TD, w1, offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+        w2_E=w3, a_row=token_of_row, a_scale=row_scale,
+    )
+    # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
+    y_PD = grouped_gemm(h, w2, offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN, c_row=pair_of_row)
+    out = topk_combine(y_PD, None if score_before else scores_TK, K)
+    return out, h, a1, a3, y_PD, *offsets
+
+
+@_fused_experts_fwd.register_fake
+def _(x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles):
+    T, K = scores_TK.shape
+    E, H, D = w1.shape
+    rows = x_TD.new_empty(T * K, H)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=x_TD.device)
+    return (x_TD.new_empty(T, D), rows, torch.empty_like(rows), torch.empty_like(rows),
+            x_TD.new_empty(T * K, D), offsets, torch.empty_like(offsets))
+
+
+@torch.library.custom_op("uniep::fused_experts_bwd", mutates_args=())
+def _fused_experts_bwd(
+    grad_out_TD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor, send_order_P: torch.Tensor,
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    h: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor, y_PD: torch.Tensor,
+    expert_offsets: torch.Tensor, tile_offs: torch.Tensor, score_before: bool, tiles: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (grad_x, grad_scores (fp32), grad_w1, grad_w2, grad_w3 (the weights' dtypes))."""
+    gemm, _, wgrad, wgrad_up = _unpack_tiles(tiles)
+    T, K = scores_TK.shape
+    P = T * K
+    E = w1.shape[0]
+    dt1, dt2, dt3 = w1.dtype, w2.dtype, w3.dtype
+    w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
+    offsets = (expert_offsets, tile_offs)
+    pair_of_row = send_order_P.to(torch.int32)
+    token_of_row = (send_order_P // K).to(torch.int32)
+    row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+    grad_out_TD = grad_out_TD.contiguous()
+
+    # grad of y in (token, k) order; grad of the scores when applied after the experts
+    grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if score_before else scores_TK, K)
+    # B[e] = w2[e] is (D, H): d h = grad_y @ w2[e], then SwiGLU backward
+    d_a1, d_a3 = grouped_gemm(
+        grad_y_PD, w2, offsets, P, transpose_w=False, tiles=gemm, mode=SWIGLU_BWD,
+        a_row=pair_of_row, aux=(a1, a3),
+    )
+    # B[e] = w1[e] is (H, D): d rows = d_a1 @ w1[e] + d_a3 @ w3[e], to (token, k) order
+    d_rows_PD = grouped_gemm(
+        d_a1, w1, offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
+        a2=d_a3, w2_E=w3, c_row=pair_of_row,
+    )
+    if score_before:
+        grad_x = topk_combine(d_rows_PD, scores_TK, K)
+        grad_scores = (d_rows_PD.view(T, K, -1).float() * x_TD.float().unsqueeze(1)).sum(-1)
+    else:
+        grad_x = topk_combine(d_rows_PD, None, K)
+
+    # weight gradients: one program per output tile walks its expert's rows in order,
+    # written straight from the fp32 accumulators in the parameters' dtypes
+    grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2, a_row=pair_of_row)
+    grad_w1, grad_w3 = grouped_wgrad(
+        d_a1, x_TD, expert_offsets, E, tiles=wgrad_up, out_dtype=dt1,
+        b_row=token_of_row, b_scale=row_scale, a2=d_a3,
+    )
+    return grad_x, grad_scores, grad_w1, grad_w2, grad_w3.to(dt3)
+
+
+@_fused_experts_bwd.register_fake
+def _(grad_out_TD, x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs, score_before, tiles):
+    return (torch.empty_like(x_TD), torch.empty_like(scores_TK, dtype=torch.float32),
+            torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3))
+
+
+def _setup_context(ctx, inputs, output):
+    x_TD, scores_TK, send_order_P, _, w1, w2, w3, score_before, tiles = inputs
+    _, h, a1, a3, y_PD, expert_offsets, tile_offs = output
+    ctx.save_for_backward(x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs)
+    ctx.score_before, ctx.tiles = score_before, tiles
+
+
+def _backward(ctx, grad_out, *unused_grads):
+    x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs = ctx.saved_tensors
+    grad_x, grad_scores, grad_w1, grad_w2, grad_w3 = _fused_experts_bwd(
+        grad_out, x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD,
+        expert_offsets, tile_offs, ctx.score_before, ctx.tiles,
+    )
+    return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
+
+
+_fused_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_experts(
@@ -131,11 +194,11 @@ def fused_experts(
             f"fused_experts: up_tiles.block_m = {up_tiles.block_m} must equal tiles.block_m = "
             f"{tiles.block_m} (both launches share the row-tile schedule)"
         )
-    return FusedExpertsFunction.apply(
+    packed = _pack_tiles(tiles, up_tiles or tiles, wgrad_tiles, wgrad_up_tiles or wgrad_tiles)
+    return _fused_experts_fwd(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
-        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles, up_tiles or tiles, wgrad_tiles,
-        wgrad_up_tiles or wgrad_tiles,
-    )
+        w1_EHD, w2_EDH, w3_EHD, score_before_experts, packed,
+    )[0]
 
 
 def _check_inputs(x_TD, scores_TK, w1, w2, w3) -> None:
