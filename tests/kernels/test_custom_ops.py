@@ -12,13 +12,17 @@ TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=2)
 T, K, E, D, H = 9, 2, 4, 32, 16
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton interpreter
+
+
 def inputs(seed=0):
     gen = torch.Generator().manual_seed(seed)
     _, order, counts = make_routing(T, K, E, "random", gen)
-    x = torch.randn(T, D, generator=gen, requires_grad=True)
-    scores = torch.rand(T, K, generator=gen, requires_grad=True)
-    w = [(torch.randn(*shape, generator=gen) * 0.2).requires_grad_(True) for shape in ((E, H, D), (E, D, H), (E, H, D))]
-    return x, scores, order, counts, w
+    x = torch.randn(T, D, generator=gen)
+    scores = torch.rand(T, K, generator=gen)
+    w = [torch.randn(*shape, generator=gen) * 0.2 for shape in ((E, H, D), (E, D, H), (E, H, D))]
+    leaves = [t.to(DEVICE).requires_grad_(True) for t in (x, scores, *w)]
+    return leaves[0], leaves[1], order.to(DEVICE), counts.to(DEVICE), leaves[2:]
 
 
 def layer(x, scores, order, counts, w1, w2, w3):
@@ -42,7 +46,7 @@ def test_opcheck():
 
 def test_compiles_without_graph_breaks_and_matches_eager():
     x, scores, order, counts, w = inputs(1)
-    grad = torch.randn(T, D)
+    grad = torch.randn(T, D, device=DEVICE)
     eager = grads_of(layer, x, scores, order, counts, w, grad)
     compiled = grads_of(torch.compile(layer, fullgraph=True, backend="aot_eager"), x, scores, order, counts, w, grad)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
@@ -50,7 +54,7 @@ def test_compiles_without_graph_breaks_and_matches_eager():
 
 def test_activation_checkpointing_recomputes_the_same_bits():
     x, scores, order, counts, w = inputs(2)
-    grad = torch.randn(T, D)
+    grad = torch.randn(T, D, device=DEVICE)
     eager = grads_of(layer, x, scores, order, counts, w, grad)
 
     def checkpointed(*args):
