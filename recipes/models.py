@@ -113,11 +113,26 @@ TRAIN_SPECS = {
 """UniEP spec name -> (TorchTitan spec, model class, parallelize fn, its module)."""
 
 
+BASELINE_SPECS = {"titan_qwen3": "qwen3", "titan_deepseek_v3": "deepseek_v3"}
+"""Baselines for parity runs: TorchTitan's own spec (its MoE, its parallelism), with the
+embedded tokenizer resolved and the per-step loss log, like the UniEP specs."""
+
+BASELINE_OF = {"uniep_qwen3": "titan_qwen3", "uniep_deepseek_v3": "titan_deepseek_v3"}
+
+
 def register_all() -> None:
-    """Register the UniEP TrainSpecs and the embedded dataset (idempotent)."""
+    """Register the UniEP and baseline TrainSpecs and the embedded dataset (idempotent)."""
     from torchtitan.protocols import train_spec as train_spec_module
 
     data.register_datasets()
+    registered = train_spec_module._extra_train_specs
     for name, (titan_name, model_cls, fn, module) in TRAIN_SPECS.items():
-        if name not in train_spec_module._extra_train_specs:
+        if name not in registered:
             register_train_spec(name, _uniep_train_spec(titan_name, model_cls, fn, module))
+    for name, titan_name in BASELINE_SPECS.items():
+        if name not in registered:
+            register_train_spec(name, dataclasses.replace(
+                get_train_spec(titan_name),
+                build_tokenizer_fn=data.build_tokenizer,
+                build_metrics_processor_fn=build_metrics_processor,
+            ))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then train the debug Qwen3-MoE with UniEP layers (EP = 2) on the embedded
-# corpus, on the GPUs of this machine or on 2 CPU processes.
+# The main job: set up, train the debug Qwen3-MoE with UniEP layers (EP = 2) and with
+# TorchTitan's own MoE on the embedded corpus, then write the loss-parity report
+# (verdict, plot, markdown/JSON, wandb offline run) to outputs/parity/.
+# Runs on the GPUs of this machine, or on 2 CPU processes. Extra arguments go to both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec scripts/run_train.sh train_configs/qwen3_moe_debug.toml --overwrite-checkpoints "$@"
+exec .venv/bin/python scripts/loss_parity.py run train_configs/qwen3_moe_debug.toml "$@"
