@@ -21,3 +21,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def deepseek_runs(tmp_path_factory):
+    """Debug DeepSeek-V3 trainings (torchrun, 2 CPU processes, 20 steps) shared by the
+    end-to-end and parity tests, as {name: dump folder}:
+
+    - uniep: UniEP layers, EP = 2, checkpoint every 10 steps;
+    - resumed: the same job stopped after step 10 (its LR schedule still planned for 20
+      steps, like an interrupted job), then resumed with --resume;
+    - torchtitan: TorchTitan's own MoE (EP = 1: its EP needs a GPU kernel);
+    - perturbed_lr: UniEP with twice the learning rate (a planted difference).
+    """
+    from tests.training import run_train
+
+    root = tmp_path_factory.mktemp("deepseek_runs")
+    config = "deepseek_v3_debug.toml"
+    checkpointing = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+    runs = {name: root / name for name in ("uniep", "resumed", "torchtitan", "perturbed_lr")}
+    run_train(config, runs["uniep"], *checkpointing)
+    run_train(config, runs["resumed"], *checkpointing, "--training.steps", "10", "--lr_scheduler.total_steps", "20")
+    run_train(config, runs["resumed"], *checkpointing, "--resume")
+    run_train(config, runs["torchtitan"], "--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
+    run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3")
+    return runs

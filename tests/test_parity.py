@@ -1,0 +1,81 @@
+"""The loss-parity tool: verdicts on synthetic logs, report files, and real CPU runs
+(bitwise for a resumed deterministic run, a band for TorchTitan, a planted difference)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.parity import Thresholds, compare, write_reports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(losses, grad_norm=1.0):
+    return {s: {"step": s, "loss": v, "grad_norm": grad_norm} for s, v in enumerate(losses, start=1)}
+
+
+def test_identical_runs_are_bitwise():
+    a = log([8.0, 7.5, 7.1])
+    report = compare(a, log([8.0, 7.5, 7.1]), expect="bitwise")
+    assert report.passed and report.bitwise_equal_steps == 3
+
+
+def test_one_ulp_breaks_bitwise_and_names_the_step():
+    report = compare(log([8.0, 7.5, 7.1]), log([8.0, math.nextafter(7.5, 8.0), 7.1]), expect="bitwise")
+    assert not report.passed
+    assert "2/3 steps bitwise equal; first difference at step 2" in report.reason
+
+
+def test_close_band():
+    a = log([8.0, 7.0, 6.0])
+    assert compare(a, log([8.0, 7.0 * (1 + 5e-3), 6.0]), expect="close").passed
+    report = compare(a, log([8.0, 7.0 * (1 + 2e-2), 6.0]), expect="close")
+    assert not report.passed and "loss max relative difference 0.0196 > 0.01" in report.reason
+    assert compare(a, log([8.0, 7.0 * (1 + 2e-2), 6.0]), expect="close", thresholds=Thresholds(loss_rtol=0.05)).passed
+
+
+def test_missing_and_non_finite_steps_fail():
+    assert "steps logged by only one run: [3]" in compare(log([8.0, 7.0, 6.0]), log([8.0, 7.0]), expect="close").reason
+    assert "non-finite" in compare(log([8.0, float("nan")]), log([8.0, 7.0]), expect="close").reason
+
+
+def test_reports_are_written(tmp_path):
+    report = compare(log([8.0, 7.0, 6.5]), log([8.0, 7.01, 6.5]), expect="close", name_a="uniep", name_b="torchtitan")
+    paths = write_reports(report, tmp_path)
+    summary = json.loads(paths["json"].read_text())
+    assert summary["passed"] is True and summary["steps"] == [1, 2, 3]
+    assert "**Verdict: PASS** (close)" in paths["markdown"].read_text()
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths["wandb"].name.startswith("offline-run-")  # offline: nothing sent
+    assert list(paths["wandb"].glob("*.wandb"))
+
+
+def parity_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "loss_parity.py"), "compare", *args, "--no-wandb"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_resumed_run_is_bitwise_equal_to_the_uninterrupted_one(deepseek_runs, tmp_path):
+    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["resumed"]), "--expect", "bitwise", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS (bitwise): 20/20 steps bitwise equal" in result.stdout
+
+
+@pytest.mark.slow
+def test_uniep_matches_torchtitan_within_the_band(deepseek_runs, tmp_path):
+    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["torchtitan"]), "--names", "uniep,torchtitan", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS (close)" in result.stdout
+    assert (tmp_path / "parity.png").is_file() and (tmp_path / "parity.json").is_file()
+
+
+@pytest.mark.slow
+def test_planted_learning_rate_difference_fails(deepseek_runs, tmp_path):
+    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["perturbed_lr"]), "--out", str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL (close): loss max relative difference" in result.stdout

@@ -1,0 +1,17 @@
+"""Launching CPU training runs from tests (torchrun via scripts/run_train.sh)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(config: str, dump_folder: Path, *args: str) -> None:
+    env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "run_train.sh"), str(ROOT / "train_configs" / config),
+         "--job.dump_folder", str(dump_folder), "--metrics.disable_color_printing", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
