@@ -8,6 +8,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+@pytest.fixture(scope="session", autouse=True)
+def uniep_cache_dir(tmp_path_factory):
+    """Device peaks and tuning choices go to a fresh folder, not the user's cache."""
+    path = tmp_path_factory.mktemp("uniep_cache")
+    os.environ["UNIEP_CACHE_DIR"] = str(path)
+    return path
+
 from recipes.cpu import apply_cpu_shims
 
 # TorchTitan's own MoE (the reference) needs the CPU shims to run without CUDA.
@@ -32,7 +40,8 @@ def deepseek_runs(tmp_path_factory):
     - resumed: the same job stopped after step 10 (its LR schedule still planned for 20
       steps, like an interrupted job), then resumed with --resume;
     - torchtitan: TorchTitan's own MoE (EP = 1: its EP needs a GPU kernel);
-    - perturbed_lr: UniEP with twice the learning rate (a planted difference).
+    - perturbed_lr: UniEP with twice the learning rate (a planted difference), and
+      ``[uniep] config = "auto"`` (on CPU it resolves the schedule without using it).
     """
     from tests.training import run_train
 
@@ -44,5 +53,5 @@ def deepseek_runs(tmp_path_factory):
     run_train(config, runs["resumed"], *checkpointing, "--training.steps", "10", "--lr_scheduler.total_steps", "20")
     run_train(config, runs["resumed"], *checkpointing, "--resume")
     run_train(config, runs["torchtitan"], "--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
-    run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3")
+    run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3", "--uniep.config", "auto")
     return runs

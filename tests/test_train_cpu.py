@@ -37,3 +37,9 @@ def test_resume_from_step_10_reproduces_steps_11_to_20_bitwise(deepseek_runs):
     assert (deepseek_runs["resumed"] / "checkpoint" / "step-10").is_dir()
     assert losses(resumed, range(1, 21)) == losses(full, range(1, 21))
     assert [resumed[s]["grad_norm"] for s in range(11, 21)] == [full[s]["grad_norm"] for s in range(11, 21)]
+
+
+def test_auto_config_resolves_to_a_concrete_config_in_training(deepseek_runs):
+    output = (deepseek_runs["perturbed_lr"] / "output.log").read_text()
+    assert "UniEP config = 'auto' for D256-H256-E8-K3, 4096 tokens, EP 2: cost model choice {" in output
+    assert "'gemm_block_m': " in output

@@ -15,3 +15,5 @@ def run_train(config: str, dump_folder: Path, *args: str) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(Path(dump_folder) / "output.log", "a") as f:
+        f.write(result.stdout + result.stderr)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 
 Backend = Literal["auto", "torch", "triton"]
 Transport = Literal["all_to_all"]
+Mode = Literal["explicit", "auto"]
 
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -27,6 +28,12 @@ class UniEPConfigError(ValueError):
 
 @dataclass(frozen=True)
 class UniEPConfig:
+    config: Mode = "explicit"
+    """``explicit``: the kernel knobs below are used as written. ``auto``: they are
+    picked per layer shape and 4096-token bucket, from the measured cache written by
+    ``scripts/tune.py`` if it has the entry, else by the cost model; the choice is
+    logged."""
+
     backend: Backend = "auto"
     """Compute path of the expert block. ``triton``: fused Triton kernels (CUDA, one
     expert-parallel rank). ``torch``: plain-PyTorch reference path (runs anywhere).

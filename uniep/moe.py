@@ -12,6 +12,7 @@ initialisation match ``torchtitan.models.moe.MoE`` so checkpoints move between t
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
 
 import torch
@@ -26,6 +27,8 @@ from uniep.plan import build_plan, local_counts
 from uniep.router import TopKRouter
 from uniep.rows import permute_rows, replicate_topk, sum_topk_fp32
 from uniep.transport import build_transport
+
+logger = logging.getLogger("uniep")
 
 # Router settings read from a TorchTitan MoE by name (duck typing: no torchtitan import).
 _ROUTER_ATTRS = (
@@ -88,6 +91,7 @@ class UniEPMoE(nn.Module):
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.ep_group: dist.ProcessGroup | None = None
+        self._auto_configs: dict[tuple, UniEPConfig] = {}
 
     @property
     def num_experts(self) -> int:
@@ -195,8 +199,9 @@ class UniEPMoE(nn.Module):
             self.tokens_per_expert.add_(counts_E)
 
         transport = build_transport(self.config.transport, self.ep_group)
-        if self.config.resolved_backend(x.device.type, transport.ep_size) == "triton":
-            out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E)
+        config = self._schedule(x_TD.shape[0], x.device, transport.ep_size)
+        if config.resolved_backend(x.device.type, transport.ep_size) == "triton":
+            out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config)
         else:
             out_TD = self._experts_torch(x_TD, top_scores_TK, topk_idx_TK, counts_E, transport)
         if self.shared_experts is not None:
@@ -228,12 +233,28 @@ class UniEPMoE(nn.Module):
         weights_TK = None if self.score_before_experts else top_scores_TK
         return sum_topk_fp32(out_TKD, weights_TK).to(x_TD.dtype)
 
-    def _experts_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E) -> torch.Tensor:
+    def _schedule(self, tokens: int, device: torch.device, ep_size: int) -> UniEPConfig:
+        """The concrete config for this call: ``self.config``, or with ``config = "auto"``
+        the tuner's choice for this shape and 4096-token bucket (resolved once, logged)."""
+        if self.config.config != "auto":
+            return self.config
+        from uniep.tune import MoEShape, device_spec, resolve, token_bucket
+
+        key = (token_bucket(tokens), ep_size, str(device))
+        if key not in self._auto_configs:
+            w1 = self.experts.w1
+            shape = MoEShape(dim=w1.shape[2], hidden=w1.shape[1], experts=self.num_experts, top_k=self.top_k)
+            config, source = resolve(self.config, shape, tokens, device_spec(device), ep_size)
+            knobs = {k: v for k, v in config.to_dict().items() if k not in ("config", "backend", "transport")}
+            logger.info(f"UniEP config = 'auto' for {shape.key()}, {key[0]} tokens, EP {ep_size}: {source} choice {knobs}")
+            self._auto_configs[key] = config
+        return self._auto_configs[key]
+
+    def _experts_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig) -> torch.Tensor:
         """(T, D) routed-expert output on the fused Triton kernels (one rank)."""
         from uniep.kernels.fused_experts import fused_experts
         from uniep.kernels.grouped_gemm import GemmTiles
 
-        c = self.config
         programs = c.num_programs or None
         # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
         send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)

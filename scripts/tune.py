@@ -1,0 +1,97 @@
+"""Tune UniEP's kernel schedule on this GPU and cache the choice for ``config = "auto"``.
+
+    python scripts/tune.py CONFIG.toml [--top 8]
+    python scripts/tune.py --shape DIM,HIDDEN,EXPERTS,TOPK --tokens 16384 [--top 8]
+    python scripts/tune.py --describe
+
+Ranks the whole schedule space with the cost model, measures the best ``--top``
+predictions and the default config (forward+backward, median of CUDA-event timings),
+writes the fastest into the tuning cache (keyed by device, EP degree, shape and
+4096-token bucket) and prints the cost model's error against the measurements.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def shape_from_toml(path: str):
+    """(MoEShape, tokens per rank, EP degree, score func) of a training config."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        import tomli as tomllib
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from recipes.models import register_all
+    from uniep.tune import MoEShape
+
+    register_all()
+    with open(path, "rb") as f:
+        toml = tomllib.load(f)
+    args = get_train_spec(toml["model"]["name"]).model_args[toml["model"]["flavor"]]
+    moe = args.moe_args
+    training = toml.get("training", {})
+    tokens = training.get("local_batch_size", 8) * training.get("seq_len", 2048)
+    ep = toml.get("parallelism", {}).get("expert_parallel_degree", 1)
+    return MoEShape(args.dim, args.moe_inter_dim, moe.num_experts, moe.top_k), tokens, ep, moe.score_func
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", help="training TOML to take the layer shape from")
+    parser.add_argument("--shape", help="DIM,HIDDEN,EXPERTS,TOPK (instead of a config)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per GPU (with --shape)")
+    parser.add_argument("--top", type=int, default=8, help="predicted candidates to measure")
+    parser.add_argument("--describe", action="store_true", help="print the space and exit")
+    args = parser.parse_args()
+
+    from uniep.tune import MoEShape, describe, device_spec, rank
+
+    if args.describe:
+        print(describe())
+        return
+    if args.config:
+        shape, tokens, ep, score_func = shape_from_toml(args.config)
+    elif args.shape:
+        try:
+            shape, tokens, ep, score_func = MoEShape(*map(int, args.shape.split(","))), args.tokens, 1, "softmax"
+        except (TypeError, ValueError):
+            parser.error(f"--shape {args.shape!r}: expected four integers DIM,HIDDEN,EXPERTS,TOPK")
+    else:
+        parser.error("give a CONFIG.toml or --shape")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("tune.py measures on a CUDA GPU; none is visible")
+    if ep != 1:
+        print(f"note: the config has expert-parallel degree {ep}; the Triton kernels tune the single-rank block "
+              f"(tokens per rank {tokens}), cached under EP 1")
+        ep = 1
+    spec = device_spec()
+    print(f"device {spec.name}: matmul {spec.matmul_flops / 1e12:.0f} TFLOP/s, copy {spec.copy_bytes_per_s / 1e12:.2f} TB/s (measured, cached)")
+    start = time.perf_counter()
+    rank(shape, tokens, spec, top=1)
+    print(f"cost model: full space searched in {time.perf_counter() - start:.3f} s")
+
+    from uniep.tune.measure import tune
+
+    report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func)
+    print(f"\n| candidate | predicted ms | measured ms |\n|---|---|---|")
+    for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
+        print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")
+    best = report["best"]
+    default = next((r for r in report["results"] if r["label"] == "default"), None)
+    if default:
+        print(f"\nbest {best['measured_ms']:.3f} ms ({best['label']}) vs default {default['measured_ms']:.3f} ms: "
+              f"{default['measured_ms'] / best['measured_ms']:.2f}x")
+    print(f"cost-model error vs measured: median {report['median_error']:.1%}, worst {report['worst_error']:.1%}")
+    print(f"cached for {shape.key()}, {tokens} tokens: {best['knobs']}")
+
+
+if __name__ == "__main__":
+    main()

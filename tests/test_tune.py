@@ -1,0 +1,108 @@
+"""The schedule space, the cost-model search, the tuning cache and config = "auto"."""
+
+import math
+
+import numpy as np
+import pytest
+
+from uniep import UniEPConfig
+from uniep.tune import DeviceSpec, MoEShape, TuneCache, describe, full_space, rank, resolve, token_bucket
+from uniep.tune.cost_model import predict
+from uniep.tune.space import CHOICES, Space, feasible
+
+SPEC = DeviceSpec("test-gpu", matmul_flops=7.5e14, copy_bytes_per_s=4.0e12, num_sms=132, smem_per_block=232448)
+QWEN3 = MoEShape(dim=2048, hidden=768, experts=128, top_k=8)
+
+
+def test_space_size_and_description():
+    assert len(full_space()) == math.prod(len(v) for v in CHOICES.values()) == 62208
+    text = describe()
+    assert "size: 62208 points" in text and "gemm_block_n       64, 128, 256" in text
+
+
+def test_feasibility_rejects_points_over_shared_memory():
+    space = full_space()
+    ok = feasible(space, SPEC.smem_per_block)
+    big = space.index_of({**{k: v[0] for k, v in CHOICES.items()}, "gemm_block_m": 128, "gemm_up_block_n": 128,
+                          "gemm_block_k": 128, "gemm_num_stages": 5})
+    assert not ok[big]  # 5 * (128*128 + 2*128*128) * 2 bytes = 480 KiB
+    assert 0 < ok.sum() < len(space)
+
+
+def small_space() -> Space:
+    """A brute-forceable slice of the space: 3 knobs varied, the rest at defaults."""
+    default = UniEPConfig()
+    rows = [
+        {**{k: getattr(default, k) for k in CHOICES}, "gemm_block_n": bn, "wgrad_block_k": bk, "gemm_num_stages": st}
+        for bn in (64, 128, 256) for bk in (32, 64, 128) for st in (2, 3, 4)
+    ]
+    return Space({k: np.array([r[k] for r in rows]) for k in CHOICES})
+
+
+@pytest.mark.parametrize("shape, tokens", [(QWEN3, 16384), (MoEShape(7168, 2048, 32, 8), 8192), (MoEShape(64, 32, 4, 2), 100)])
+def test_search_returns_the_argmin_of_the_model(shape, tokens):
+    space = small_space()
+    rows = np.full(shape.experts, tokens * shape.top_k / shape.experts)
+    brute = []
+    for i in range(len(space)):
+        one = Space({k: v[i : i + 1] for k, v in space.values.items()})
+        cost = predict(one, shape, rows, SPEC)[0] if feasible(one, SPEC.smem_per_block)[0] else math.inf
+        brute.append(cost)
+    (best, predicted), *_ = rank(shape, tokens, SPEC, space=space, top=1)
+    assert predicted == pytest.approx(min(brute), rel=1e-12)
+    assert best == space.point(int(np.argmin(brute)))
+
+
+def test_skewed_routing_predicts_slower_than_balanced():
+    balanced = np.full(128, 16384 * 8 / 128)
+    skewed = balanced.copy()
+    skewed[:8] += skewed[8:].sum() * 0.5
+    skewed[8:] *= 0.5
+    space = small_space()
+    assert np.all(predict(space, QWEN3, skewed, SPEC) > predict(space, QWEN3, balanced, SPEC))
+
+
+def test_token_buckets():
+    assert [token_bucket(t) for t in (1, 4096, 4097, 16384, 20000)] == [4096, 4096, 8192, 16384, 20480]
+
+
+def test_cache_round_trip_and_key_mismatch(tmp_path):
+    cache = TuneCache(tmp_path / "tune.json")
+    entry = {"knobs": {"gemm_block_n": 256}, "measured_ms": 11.0, "predicted_ms": 9.0}
+    cache.store("NVIDIA H200", 1, QWEN3, 16000, entry)
+    assert cache.lookup("NVIDIA H200", 1, QWEN3, 16384) == entry  # same 4096-token bucket
+    assert cache.lookup("NVIDIA H100 80GB HBM3", 1, QWEN3, 16384) is None  # other device
+    assert cache.lookup("NVIDIA H200", 8, QWEN3, 16384) is None  # other EP degree
+    assert cache.lookup("NVIDIA H200", 1, QWEN3, 20000) is None  # other bucket
+    assert cache.lookup("NVIDIA H200", 1, MoEShape(2048, 1408, 64, 6), 16384) is None  # other shape
+
+
+def test_resolve_prefers_the_measured_cache(tmp_path):
+    cache = TuneCache(tmp_path / "tune.json")
+    auto = UniEPConfig(config="auto")
+    from_model, source = resolve(auto, QWEN3, 16384, SPEC, cache=cache)
+    assert source == "cost model" and from_model.config == "explicit"
+    best, _ = rank(QWEN3, 16384, SPEC, top=1)[0]
+    assert {k: getattr(from_model, k) for k in CHOICES} == best
+
+    knobs = {k: getattr(UniEPConfig(), k) for k in CHOICES} | {"gemm_block_n": 64}
+    cache.store(SPEC.name, 1, QWEN3, 16384, {"knobs": knobs, "measured_ms": 1.0, "predicted_ms": 1.0})
+    measured, source = resolve(auto, QWEN3, 16384, SPEC, cache=cache)
+    assert source == "measured" and measured.gemm_block_n == 64
+
+    explicit = UniEPConfig(gemm_block_n=256)
+    assert resolve(explicit, QWEN3, 16384, SPEC, cache=cache) == (explicit, "explicit")
+
+
+def test_auto_config_in_a_layer_is_resolved_once_per_bucket(caplog):
+    import torch
+
+    from uniep import UniEPMoE
+
+    layer = UniEPMoE(32, 16, 4, 2, config=UniEPConfig(config="auto"))
+    layer.init_weights(0.02)
+    with caplog.at_level("INFO", logger="uniep"):
+        layer(torch.randn(1, 10, 32))
+        layer(torch.randn(1, 12, 32))  # same 4096-token bucket: no new resolution
+    lines = [r.message for r in caplog.records if "config = 'auto'" in r.message]
+    assert len(lines) == 1 and "D32-H16-E4-K2, 4096 tokens, EP 1: cost model choice" in lines[0]

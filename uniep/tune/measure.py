@@ -1,0 +1,93 @@
+"""Measured refinement: time the cost model's best candidates on the real device, keep
+the fastest in the cache, and report how far the predictions were off."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+import torch
+
+from uniep.config import UniEPConfig
+from uniep.moe import UniEPMoE
+from uniep.tune.cache import MoEShape, TuneCache
+from uniep.tune.device import DeviceSpec
+from uniep.tune.search import rank
+from uniep.tune.space import KNOBS, full_space
+
+
+def time_layer(layer: UniEPMoE, x: torch.Tensor, grad: torch.Tensor, warmup: int = 3, iters: int = 10) -> float:
+    """Median forward+backward milliseconds (CUDA events)."""
+    def step():
+        xi = x.detach().requires_grad_(True)
+        layer(xi).backward(grad)
+        layer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _progress(i: int, n: int, label: str, best: float) -> None:
+    width = 24
+    filled = int(width * i / n)
+    sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{n} {label:<28s} best {best:7.3f} ms")
+    sys.stdout.flush()
+
+
+def tune(
+    shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1,
+    score_func: str = "softmax", cache: TuneCache | None = None,
+) -> dict:
+    """Measure the ``top`` predicted points plus the default config; store the fastest.
+
+    Returns ``{"best": {...}, "results": [{knobs, predicted_ms, measured_ms}, ...],
+    "median_error", "worst_error"}`` (errors relative to the measured times).
+    """
+    torch.manual_seed(0)
+    layer = UniEPMoE(shape.dim, shape.hidden, shape.experts, shape.top_k, score_func=score_func,
+                     load_balance_coeff=None).cuda()
+    layer.init_weights(0.02)
+    layer.to(torch.bfloat16)
+    x = torch.randn(1, tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+
+    default = {k: getattr(UniEPConfig(), k) for k in KNOBS}
+    candidates = [knobs for knobs, _ in rank(shape, tokens, spec, top=top, ep_size=ep_size)]
+    if default not in candidates:
+        candidates.append(default)
+    # predictions for every candidate from one evaluation of the model over those points
+    space = full_space()
+    all_ranked = dict((tuple(k.items()), t) for k, t in rank(shape, tokens, spec, top=len(space), ep_size=ep_size))
+
+    results, best = [], float("inf")
+    for i, knobs in enumerate(candidates):
+        label = "default" if knobs == default else f"predicted #{i + 1}"
+        _progress(i, len(candidates), label, best)
+        layer.config = dataclasses.replace(UniEPConfig(backend="triton"), **knobs)
+        try:
+            measured = time_layer(layer, x, grad)
+        except Exception as e:  # a point the model thought feasible that does not compile or fit
+            print(f"\n  {label}: skipped ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        predicted = all_ranked.get(tuple(knobs.items()), float("nan")) * 1e3
+        results.append({"knobs": knobs, "label": label, "predicted_ms": predicted, "measured_ms": measured})
+        best = min(best, measured)
+    _progress(len(candidates), len(candidates), "done", best)
+    print()
+
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in results]
+    winner = min(results, key=lambda r: r["measured_ms"])
+    entry = {"knobs": winner["knobs"], "measured_ms": winner["measured_ms"], "predicted_ms": winner["predicted_ms"]}
+    (cache or TuneCache()).store(spec.name, ep_size, shape, tokens, entry)
+    return {"best": winner, "results": results,
+            "median_error": statistics.median(errors), "worst_error": max(errors)}

@@ -1,0 +1,65 @@
+"""Pick a schedule: the measured cache first, else the cost model's argmin.
+
+The whole space is evaluated at once (numpy) in well under a second; results are
+memoised per (shape, 4096-token bucket, EP degree, device), so later look-ups are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from uniep.config import UniEPConfig
+from uniep.tune.cache import MoEShape, TuneCache, token_bucket
+from uniep.tune.cost_model import predict
+from uniep.tune.device import DeviceSpec
+from uniep.tune.space import Space, feasible, full_space
+
+
+@functools.lru_cache(maxsize=1)
+def _space() -> Space:
+    return full_space()
+
+
+def uniform_rows(shape: MoEShape, tokens: int, ep_size: int = 1) -> np.ndarray:
+    """(E/W,) rows per local expert under balanced routing of ``tokens`` per rank."""
+    local = shape.experts // ep_size
+    return np.full(local, tokens * shape.top_k / local)
+
+
+def rank(
+    shape: MoEShape, tokens: int, spec: DeviceSpec, *, rows_per_expert=None, ep_size: int = 1, top: int = 10,
+    space: Space | None = None,
+):
+    """The ``top`` feasible points of ``space`` (default: the full space) with the lowest
+    predicted time, as (knobs, predicted seconds)."""
+    space = space or _space()
+    rows = uniform_rows(shape, tokens, ep_size) if rows_per_expert is None else np.asarray(rows_per_expert)
+    times = predict(space, shape, rows, spec)
+    times = np.where(feasible(space, spec.smem_per_block), times, np.inf)
+    order = np.argsort(times, kind="stable")[:top]
+    return [(space.point(int(i)), float(times[i])) for i in order if np.isfinite(times[i])]
+
+
+@functools.lru_cache(maxsize=256)
+def _best_predicted(shape: MoEShape, bucket: int, spec: DeviceSpec, ep_size: int) -> tuple[tuple[str, int], ...]:
+    knobs, _ = rank(shape, bucket, spec, ep_size=ep_size, top=1)[0]
+    return tuple(knobs.items())
+
+
+def resolve(
+    config: UniEPConfig, shape: MoEShape, tokens: int, spec: DeviceSpec, ep_size: int = 1,
+    cache: TuneCache | None = None,
+) -> tuple[UniEPConfig, str]:
+    """A concrete config for ``config.config == "auto"`` and where it came from
+    ("measured" cache entry or "cost model"); other configs are returned unchanged."""
+    if config.config != "auto":
+        return config, "explicit"
+    entry = (cache or TuneCache()).lookup(spec.name, ep_size, shape, tokens)
+    if entry is not None:
+        knobs, source = entry["knobs"], "measured"
+    else:
+        knobs, source = dict(_best_predicted(shape, token_bucket(tokens), spec, ep_size)), "cost model"
+    return dataclasses.replace(config, config="explicit", **knobs), source

@@ -1,0 +1,91 @@
+"""The unified parameter space of a UniEP layer's schedule, and its feasibility rules.
+
+Every point is a complete set of kernel knobs (a ``UniEPConfig`` minus the fields that
+are not schedule: backend, transport, config). Points that cannot launch on the device
+(shared memory over the limit, accumulators over the register budget) are filtered out
+before any cost is computed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+# knob -> candidate values; the product is the space
+CHOICES: dict[str, tuple[int, ...]] = {
+    "gemm_block_m": (64, 128),
+    "gemm_block_n": (64, 128, 256),
+    "gemm_up_block_n": (64, 128),
+    "gemm_block_k": (32, 64, 128),
+    "gemm_num_warps": (4, 8),
+    "gemm_num_stages": (2, 3, 4, 5),
+    "wgrad_block_m": (64, 128),
+    "wgrad_block_n": (64, 128, 256),
+    "wgrad_up_block_n": (64, 128),
+    "wgrad_block_k": (32, 64, 128),
+    "wgrad_num_warps": (4, 8),
+    "wgrad_num_stages": (2, 3, 4),
+}
+KNOBS = tuple(CHOICES)
+
+# Accumulator registers per thread above which a tile spills (fp32, of 255 per thread).
+MAX_ACC_REGS_PER_THREAD = 128
+
+
+@dataclass(frozen=True)
+class Space:
+    """All points as one int array per knob (vectorised cost evaluation)."""
+
+    values: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.values.values())))
+
+    def point(self, i: int) -> dict[str, int]:
+        return {k: int(v[i]) for k, v in self.values.items()}
+
+    def index_of(self, point: dict[str, int]) -> int | None:
+        mask = np.ones(len(self), dtype=bool)
+        for k, v in self.values.items():
+            mask &= v == point[k]
+        hits = np.flatnonzero(mask)
+        return int(hits[0]) if hits.size else None
+
+
+def full_space() -> Space:
+    grid = np.array(list(itertools.product(*CHOICES.values())), dtype=np.int64)
+    return Space({k: grid[:, i] for i, k in enumerate(KNOBS)})
+
+
+def smem_bytes(block_m, block_n, block_k, stages, accumulators, elem_bytes=2):
+    """Shared memory of a pipelined tile: ``stages`` copies of the A tile and of each B tile."""
+    return stages * (block_m * block_k + accumulators * block_k * block_n) * elem_bytes
+
+
+def feasible(space: Space, smem_limit: int) -> np.ndarray:
+    """(N,) bool: the points whose every launch fits the device."""
+    v = space.values
+    ok = np.ones(len(space), dtype=bool)
+    # (block_m, block_n, block_k, warps, stages, accumulators) of each launch kind
+    launches = [
+        (v["gemm_block_m"], v["gemm_up_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 2),
+        (v["gemm_block_m"], v["gemm_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1),
+        (v["wgrad_block_m"], v["wgrad_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 1),
+        (v["wgrad_block_m"], v["wgrad_up_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 2),
+    ]
+    for bm, bn, bk, warps, stages, acc in launches:
+        ok &= smem_bytes(bm, bn, bk, stages, acc) <= smem_limit
+        ok &= bm * bn * acc / (32 * warps) <= MAX_ACC_REGS_PER_THREAD
+    return ok
+
+
+def describe() -> str:
+    """The space, knob by knob, and its size."""
+    lines = ["UniEP schedule space (kernel knobs of UniEPConfig):"]
+    for k, vals in CHOICES.items():
+        lines.append(f"  {k:18s} {', '.join(map(str, vals))}")
+    size = len(full_space())
+    lines.append(f"size: {size} points (before the device's shared-memory and register limits)")
+    return "\n".join(lines)
