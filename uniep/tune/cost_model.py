@@ -7,9 +7,12 @@ with SwiGLU backward, up dgrad, w2 gradient, fused w1/w3 gradient) the predicted
     max(padded FLOPs / (matmul rate * efficiency), bytes / copy bandwidth) + launch cost
 
 FLOPs are padded to whole tiles (per expert: rows rounded up to ``block_m``). Efficiency
-multiplies three factors: waves (tiles spread over SMs), pipeline fill (``stages - 1``
-idle steps plus an epilogue against ``cdiv(K, block_k)`` useful steps per tile) and tile
-shape (small tiles or few warps do less work per operand load). Weight-gradient tiles
+multiplies five factors: waves (tiles spread over SMs), pipeline fill (``stages - 1``
+idle steps plus an epilogue against ``cdiv(K, block_k)`` useful steps per tile), latency
+hiding (K elements loaded ahead), per-step overhead, and tile shape (small tiles, or
+large tiles on one warpgroup, do less work per operand load). The constants are rough
+fits to the H200 sweeps in benchmarks/RESULTS.md; ``scripts/tune.py`` measures the
+model's best candidates before anything is cached. Weight-gradient tiles
 are weighted by their expert's rows, so a skewed routing histogram shows up as
 imbalance. The two rates come from ``DeviceSpec`` (measured, not assumed).
 """
@@ -26,10 +29,14 @@ LAUNCH_S = 6e-6
 EPILOGUE_STEPS = 2.0
 # K elements in flight (stages * block_k) needed to hide global-memory latency, and the
 # fixed cost of one main-loop step in K elements (address math, barriers).
-LATENCY_K = 192.0
+LATENCY_K = 256.0
 STEP_OVERHEAD_K = 16.0
-# Per-warp tile area (elements) at which the tensor cores reach the measured matmul rate.
-FULL_RATE_AREA_PER_WARP = 128 * 256 / 8
+# Below this tile area (elements) one warpgroup (4 warps) keeps up; above it 4 warps
+# leave the tensor cores idle (H200 sweeps: 64x256 tiles with 4 warps ran ~3x slower).
+FOUR_WARP_MAX_AREA = 64 * 128
+# Tile area (elements, accumulators included) at which the tensor cores reach the
+# measured matmul rate.
+FULL_RATE_AREA = 128 * 256
 
 
 def _efficiency(tiles_work, max_tile_work, programs, iters, stages, area, warps, block_k):
@@ -37,9 +44,10 @@ def _efficiency(tiles_work, max_tile_work, programs, iters, stages, area, warps,
     waves = np.maximum(tiles_work / programs, max_tile_work)
     wave_eff = tiles_work / (waves * programs)
     pipe_eff = iters / (iters + (stages - 1) + EPILOGUE_STEPS)
-    latency_eff = np.minimum(1.0, stages * block_k / LATENCY_K)
+    latency_eff = np.minimum(1.0, (stages - 1) * block_k / LATENCY_K)  # loads in flight ahead
     step_eff = block_k / (block_k + STEP_OVERHEAD_K)
-    shape_eff = np.minimum(1.0, area / warps / FULL_RATE_AREA_PER_WARP) ** 0.35
+    shape_eff = np.minimum(1.0, area / FULL_RATE_AREA) ** 0.35
+    shape_eff = shape_eff * np.where((warps < 8) & (area > FOUR_WARP_MAX_AREA), 0.5, 1.0)
     return wave_eff * pipe_eff * latency_eff * step_eff * shape_eff
 
 
