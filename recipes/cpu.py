@@ -10,7 +10,10 @@ Each is applied only when no CUDA device is present, and each answers one gap:
 3. gloo has no PREMUL_SUM reduce-scatter, which FSDP2 uses to pre-scale gradients; the
    shim makes FSDP divide after a plain SUM instead (same result up to rounding order).
 4. TorchTitan's MoE uses grouped GEMMs whose padding kernel is Triton-only; on CPU its
-   own for-loop expert path is selected (the baseline for parity runs).
+   own for-loop expert path is selected (the baseline for parity runs). That path takes
+   ``w[e]`` for each expert, and the backward of E such selections builds E full-size
+   zero gradients (85 s a step for the debug Qwen3-MoE on 2 cores); the shim runs the
+   same per-expert matmuls on ``unbind``-ed weights instead: same values, one gradient.
 """
 
 from __future__ import annotations
@@ -97,6 +100,19 @@ def _fsdp_without_premul_sum() -> None:
     _fsdp_collectives._get_gradient_divide_factors = get_factors
 
 
+def _experts_for_loop(w1, w2, w3, x, num_tokens_per_expert):
+    """TorchTitan's for-loop expert computation (rows grouped by expert, trailing
+    padding rows answered with zeros) over unbind-ed weights."""
+    counts = num_tokens_per_expert.tolist()
+    routed = sum(counts)
+    outputs = [
+        (torch.nn.functional.silu(rows @ a.t()) * (rows @ c.t())) @ b.t()
+        for rows, a, b, c in zip(torch.split(x[:routed], counts), w1.unbind(0), w2.unbind(0), w3.unbind(0))
+    ]
+    padding = x.new_zeros(x.shape[0] - routed, w2.shape[1])
+    return torch.cat([*outputs, padding])
+
+
 def apply_cpu_shims() -> bool:
     """Apply the shims if there is no CUDA device. Returns True when they are active."""
     global _applied
@@ -122,5 +138,6 @@ def apply_cpu_shims() -> bool:
         original_init(self, dim, hidden_dim, num_experts, use_grouped_mm=False)
 
     titan_moe.GroupedExperts.__init__ = experts_init
+    titan_moe._run_experts_for_loop = _experts_for_loop
     _applied = True
     return True
