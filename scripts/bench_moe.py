@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from uniep.tune.measure import median_cuda_ms
+
 # shape name -> (tokens, dim, moe hidden, experts, top-k, shared experts, score func, route_norm)
 SHAPES = {
     "qwen3": (16384, 2048, 768, 128, 8, 0, "softmax", True),
@@ -52,25 +54,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def dense_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench(lambda: a @ b, 5, 20)
+    ms = median_cuda_ms(lambda: a @ b, 5, 20)
     return 2 * 8192**3 / ms / 1e9
 
 
@@ -124,8 +111,8 @@ def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
         layer(xi).backward(grad)
         layer.zero_grad(set_to_none=True)
 
-    fwd_ms = bench(fwd, warmup, iters)
-    fwd_bwd_ms = bench(fwd_bwd, warmup, iters)
+    fwd_ms = median_cuda_ms(fwd, warmup, iters)
+    fwd_bwd_ms = median_cuda_ms(fwd_bwd, warmup, iters)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd()

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def shape_from_toml(path: str):
-    """(MoEShape, tokens per rank, EP degree, score func) of a training config."""
+    """(MoEShape, tokens per rank, EP degree, score func, score before experts) of a training config."""
     try:
         import tomllib
     except ModuleNotFoundError:
@@ -37,7 +37,8 @@ def shape_from_toml(path: str):
     training = toml.get("training", {})
     tokens = training.get("local_batch_size", 8) * training.get("seq_len", 2048)
     ep = toml.get("parallelism", {}).get("expert_parallel_degree", 1)
-    return MoEShape(args.dim, args.moe_inter_dim, moe.num_experts, moe.top_k), tokens, ep, moe.score_func
+    shape = MoEShape(args.dim, args.moe_inter_dim, moe.num_experts, moe.top_k)
+    return shape, tokens, ep, moe.score_func, moe.score_before_experts
 
 
 def main() -> None:
@@ -55,10 +56,11 @@ def main() -> None:
         print(describe())
         return
     if args.config:
-        shape, tokens, ep, score_func = shape_from_toml(args.config)
+        shape, tokens, ep, score_func, score_before = shape_from_toml(args.config)
     elif args.shape:
         try:
-            shape, tokens, ep, score_func = MoEShape(*map(int, args.shape.split(","))), args.tokens, 1, "softmax"
+            shape = MoEShape(*map(int, args.shape.split(",")))
+            tokens, ep, score_func, score_before = args.tokens, 1, "softmax", False
         except (TypeError, ValueError):
             parser.error(f"--shape {args.shape!r}: expected four integers DIM,HIDDEN,EXPERTS,TOPK")
     else:
@@ -80,7 +82,7 @@ def main() -> None:
 
     from uniep.tune.measure import tune
 
-    report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func)
+    report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func, score_before_experts=score_before)
     print(f"\n| candidate | predicted ms | measured ms |\n|---|---|---|")
     for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
         print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")

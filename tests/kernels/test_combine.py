@@ -26,3 +26,11 @@ def test_combine_forward_and_backward(T, K, D, weighted):
         torch.testing.assert_close(grad_w, weights.grad, rtol=1e-5, atol=1e-5)
     else:
         assert grad_w is None
+
+
+def test_weight_gradient_only():
+    gen = torch.Generator().manual_seed(9)
+    rows, weights, grad = torch.randn(12, 40, generator=gen), torch.rand(4, 3, generator=gen), torch.randn(4, 40, generator=gen)
+    full = topk_combine_bwd(grad, rows, weights, 3)
+    grad_rows, grad_w = topk_combine_bwd(grad, rows, weights, 3, write_rows=False)
+    assert grad_rows is None and torch.equal(grad_w, full[1])

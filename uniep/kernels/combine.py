@@ -48,7 +48,7 @@ def _topk_combine_bwd_kernel(
     grad_rows_ptr,  # (T*K, D)
     grad_w_ptr,  # (T, K) fp32 (HAS_W)
     D,
-    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     for k in tl.static_range(K):
@@ -63,7 +63,8 @@ def _topk_combine_bwd_kernel(
                 r = tl.load(rows_ptr + (t * K + k) * D + cols, mask=mask, other=0.0).to(tl.float32)
                 dot += g * r
                 g = g * w
-            tl.store(grad_rows_ptr + (t * K + k) * D + cols, g.to(grad_rows_ptr.dtype.element_ty), mask=mask)
+            if WRITE_ROWS:
+                tl.store(grad_rows_ptr + (t * K + k) * D + cols, g.to(grad_rows_ptr.dtype.element_ty), mask=mask)
         if HAS_W:
             tl.store(grad_w_ptr + t * K + k, tl.sum(dot))
 
@@ -87,17 +88,21 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
 
 
 def topk_combine_bwd(
-    grad_TD: torch.Tensor, rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(grad_rows (T*K, D), grad_weights (T, K) fp32 or None)``."""
+    grad_TD: torch.Tensor, rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int,
+    *, write_rows: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_rows (T*K, D), grad_weights (T, K) fp32 or None)``; with
+    ``write_rows=False`` only the weights' gradient is computed (grad_rows is None)."""
     T, D = grad_TD.shape
-    grad_rows = rows_PD.new_empty(T * top_k, D)
+    if not write_rows and weights_TK is None:
+        raise ValueError("topk_combine_bwd: nothing to compute without weights and rows")
+    grad_rows = rows_PD.new_empty(T * top_k if write_rows else 0, D)
     grad_w = None if weights_TK is None else torch.empty_like(weights_TK)
     if T == 0:
         return grad_rows, grad_w
     _topk_combine_bwd_kernel[(T,)](
         grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
         grad_rows, grad_rows if grad_w is None else grad_w, D,
-        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D),
+        K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, BLOCK_D=_block_d(D),
     )
-    return grad_rows, grad_w
+    return (grad_rows if write_rows else None), grad_w

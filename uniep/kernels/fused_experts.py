@@ -126,7 +126,8 @@ def _fused_experts_bwd(
     )
     if score_before:
         grad_x = topk_combine(d_rows_PD, scores_TK, K)
-        grad_scores = (d_rows_PD.view(T, K, -1).float() * x_TD.float().unsqueeze(1)).sum(-1)
+        # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
+        _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
     else:
         grad_x = topk_combine(d_rows_PD, None, K)
 

@@ -17,13 +17,8 @@ from uniep.tune.search import rank
 from uniep.tune.space import KNOBS, full_space
 
 
-def time_layer(layer: UniEPMoE, x: torch.Tensor, grad: torch.Tensor, warmup: int = 3, iters: int = 10) -> float:
-    """Median forward+backward milliseconds (CUDA events)."""
-    def step():
-        xi = x.detach().requires_grad_(True)
-        layer(xi).backward(grad)
-        layer.zero_grad(set_to_none=True)
-
+def median_cuda_ms(step, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of ``step()`` (CUDA events), after ``warmup`` calls."""
     for _ in range(warmup):
         step()
     times = []
@@ -37,6 +32,16 @@ def time_layer(layer: UniEPMoE, x: torch.Tensor, grad: torch.Tensor, warmup: int
     return statistics.median(times)
 
 
+def time_layer(layer: UniEPMoE, x: torch.Tensor, grad: torch.Tensor) -> float:
+    """Median forward+backward milliseconds of ``layer`` on ``x``."""
+    def step():
+        xi = x.detach().requires_grad_(True)
+        layer(xi).backward(grad)
+        layer.zero_grad(set_to_none=True)
+
+    return median_cuda_ms(step)
+
+
 def _progress(i: int, n: int, label: str, best: float) -> None:
     width = 24
     filled = int(width * i / n)
@@ -46,7 +51,7 @@ def _progress(i: int, n: int, label: str, best: float) -> None:
 
 def tune(
     shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1,
-    score_func: str = "softmax", cache: TuneCache | None = None,
+    score_func: str = "softmax", score_before_experts: bool = False, cache: TuneCache | None = None,
 ) -> dict:
     """Measure the ``top`` predicted points plus the default config; store the fastest.
 
@@ -55,7 +60,7 @@ def tune(
     """
     torch.manual_seed(0)
     layer = UniEPMoE(shape.dim, shape.hidden, shape.experts, shape.top_k, score_func=score_func,
-                     load_balance_coeff=None).cuda()
+                     score_before_experts=score_before_experts, load_balance_coeff=None).cuda()
     layer.init_weights(0.02)
     layer.to(torch.bfloat16)
     x = torch.randn(1, tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
