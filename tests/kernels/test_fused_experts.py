@@ -115,3 +115,28 @@ def test_triton_backend_needs_a_triton_device(monkeypatch):
     layer.init_weights(0.02)
     with pytest.raises(UniEPConfigError, match="backend = 'triton' runs on CUDA"):
         layer(torch.randn(1, 3, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_inf_propagate_like_torchtitan(backend, bad):
+    torch.manual_seed(8)
+    args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True, score_before_experts=False)
+    titan = MoE(args, dim=32, hidden_dim=16)
+    with torch.no_grad():
+        titan.init_weights(0.02, torch.device("cpu"))
+    small = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
+    layer = UniEPMoE.from_torchtitan(titan, UniEPConfig(backend=backend, **small))
+    x = torch.randn(1, 6, 32)
+    x[0, 2, 5] = bad  # one bad element in token 2
+    grad = torch.randn(1, 6, 32)
+    masks = []
+    for module in (titan, layer):
+        xi = x.clone().requires_grad_(True)
+        module.zero_grad(set_to_none=True)
+        out = module(xi)
+        out.backward(grad)
+        masks.append([~torch.isfinite(t) for t in (out, xi.grad, module.experts.w1.grad, module.experts.w2.grad)])
+    for theirs, ours in zip(*masks):
+        assert torch.equal(theirs, ours)
+    assert masks[1][0][0, 2].all() and not masks[1][0][0, [0, 1, 3, 4, 5]].any()  # only token 2 is bad
