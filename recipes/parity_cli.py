@@ -17,7 +17,6 @@ holds, 1 when it does not, 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import subprocess
 import sys

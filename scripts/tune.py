@@ -83,7 +83,7 @@ def main() -> None:
     from uniep.tune.measure import tune
 
     report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func, score_before_experts=score_before)
-    print(f"\n| candidate | predicted ms | measured ms |\n|---|---|---|")
+    print("\n| candidate | predicted ms | measured ms |\n|---|---|---|")
     for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
         print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")
     best = report["best"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, expert_mlp_torch
