@@ -157,9 +157,12 @@ def _plot(report: ParityReport, path: Path) -> None:
     top.set_title(f"Loss parity: {'PASS' if report.passed else 'FAIL'} ({report.expect})")
     diff = [abs(x - y) for x, y in zip(loss_a, loss_b)]
     positive = [d for d in diff if d > 0]
-    bottom.plot(steps, [d if d > 0 else float("nan") for d in diff], marker="o", color="tab:red")
+    equal = len(diff) - len(positive)
+    bottom.plot(steps, [d if d > 0 else float("nan") for d in diff], marker="o", color="tab:red",
+                label=f"loss bitwise equal at {equal} of {len(diff)} steps (no point)")
     if positive:
         bottom.set_yscale("log")
+        bottom.legend(loc="upper right", fontsize="small")
     else:
         bottom.text(0.5, 0.5, "bitwise equal at every step", transform=bottom.transAxes, ha="center")
     bottom.set_ylabel(f"|loss {a} - loss {b}|")
