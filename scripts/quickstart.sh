@@ -6,4 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python scripts/loss_parity.py run train_configs/qwen3_moe_debug.toml "$@"
+extra=()
+if [ "$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
+  # One process per GPU: expert parallelism needs at least two.
+  echo "quickstart: one GPU found, so expert-parallel degree 1 (EP 2 needs 2 GPUs or the CPU)"
+  extra=(--parallelism.expert_parallel_degree 1)
+fi
+exec .venv/bin/python scripts/loss_parity.py run train_configs/qwen3_moe_debug.toml "${extra[@]}" "$@"
