@@ -88,15 +88,23 @@ def test_bad_weight_shapes_are_named():
         fused_experts(x, s, torch.arange(8), torch.tensor([8, 0, 0]), w, w, w, score_before_experts=False, tiles=TILES, wgrad_tiles=TILES)
 
 
-@pytest.mark.parametrize("score_before", [False, True])
-def test_layer_with_triton_backend_matches_torchtitan(score_before):
-    torch.manual_seed(4)
-    args = MoEArgs(num_experts=6, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True, score_before_experts=score_before)
+SMALL_TILES = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
+
+
+def titan_and_uniep(seed, backend, *, num_experts, num_shared_experts, score_before):
+    """A TorchTitan MoE (dim 32, hidden 16, top-2) and a UniEP layer sharing its parameters."""
+    torch.manual_seed(seed)
+    args = MoEArgs(num_experts=num_experts, num_shared_experts=num_shared_experts, top_k=2, score_func="softmax",
+                   route_norm=True, score_before_experts=score_before)
     titan = MoE(args, dim=32, hidden_dim=16)
     with torch.no_grad():
         titan.init_weights(0.02, torch.device("cpu"))
-    small = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
-    layer = UniEPMoE.from_torchtitan(titan, UniEPConfig(backend="triton", num_programs=2, **small))
+    return titan, UniEPMoE.from_torchtitan(titan, UniEPConfig(backend=backend, num_programs=2, **SMALL_TILES))
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_layer_with_triton_backend_matches_torchtitan(score_before):
+    titan, layer = titan_and_uniep(4, "triton", num_experts=6, num_shared_experts=1, score_before=score_before)
     x = torch.randn(2, 5, 32)
     grad = torch.randn(2, 5, 32)
     results = []
@@ -120,13 +128,7 @@ def test_triton_backend_needs_a_triton_device(monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_and_inf_propagate_like_torchtitan(backend, bad):
-    torch.manual_seed(8)
-    args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True, score_before_experts=False)
-    titan = MoE(args, dim=32, hidden_dim=16)
-    with torch.no_grad():
-        titan.init_weights(0.02, torch.device("cpu"))
-    small = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
-    layer = UniEPMoE.from_torchtitan(titan, UniEPConfig(backend=backend, **small))
+    titan, layer = titan_and_uniep(8, backend, num_experts=4, num_shared_experts=0, score_before=False)
     x = torch.randn(1, 6, 32)
     x[0, 2, 5] = bad  # one bad element in token 2
     grad = torch.randn(1, 6, 32)
