@@ -102,6 +102,20 @@ def titan_and_uniep(seed, backend, *, num_experts, num_shared_experts, score_bef
     return titan, UniEPMoE.from_torchtitan(titan, UniEPConfig(backend=backend, num_programs=2, **SMALL_TILES))
 
 
+@pytest.mark.parametrize(
+    "x, scores, message",
+    [
+        (torch.randn(2, 4, 16), torch.rand(8, 2), r"x must be \(tokens, dim\); got shape \(2, 4, 16\)"),
+        (torch.randn(4, 16), torch.rand(5, 2), r"scores have 5 rows for 4 tokens"),
+        (torch.randint(0, 3, (4, 16)), torch.rand(4, 2), r"x dtype torch.int64; allowed: bfloat16, float16, float32"),
+    ],
+)
+def test_bad_inputs_are_named(x, scores, message):
+    w1, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 8)
+    with pytest.raises(ValueError, match=message):
+        fused_experts(x, scores, torch.arange(8), torch.tensor([8, 0, 0]), w1, w2, w1, score_before_experts=False, tiles=TILES, wgrad_tiles=TILES)
+
+
 @pytest.mark.parametrize("score_before", [False, True])
 def test_layer_with_triton_backend_matches_torchtitan(score_before):
     titan, layer = titan_and_uniep(4, "triton", num_experts=6, num_shared_experts=1, score_before=score_before)
