@@ -12,7 +12,8 @@ A run is read from its ``loss_log.jsonl`` (``recipes.metrics``). Two kinds of ve
 
 Outputs (``write_reports``): ``parity.json`` and ``parity.md`` (summary and per-step
 table), ``parity.png`` (both loss curves and the absolute difference), and a wandb run
-group (both curves, the difference, the summary table) in offline mode unless the
+group (a run per training, whose curves overlay, and a ``difference`` run with the
+per-step differences, the summary table and the verdict) in offline mode unless the
 environment sets ``WANDB_MODE`` (``wandb sync`` uploads offline runs later).
 """
 
@@ -173,27 +174,34 @@ def _plot(report: ParityReport, path: Path) -> None:
 
 
 def _wandb(report: ParityReport, out_dir: Path) -> Path:
-    """Log both curves, the difference and the summary to a wandb run group."""
+    """A wandb run group: one run per training (same metric names, so the curves overlay)
+    and a ``difference`` run with the per-step differences, the summary table and the
+    verdict. Returns the difference run's folder."""
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    mode = os.environ.get("WANDB_MODE", "offline")
-    group = f"parity-{out_dir.resolve().name}"
-    a, b = report.name_a, report.name_b
-    run = wandb.init(
-        project=os.environ.get("WANDB_PROJECT", "uniep-parity"), group=group, name=f"{a}-vs-{b}",
-        dir=str(out_dir), mode=mode, config={"expect": report.expect, **asdict(report.thresholds)},
+    settings = dict(
+        project=os.environ.get("WANDB_PROJECT", "uniep-parity"), group=f"parity-{out_dir.resolve().name}",
+        dir=str(out_dir), mode=os.environ.get("WANDB_MODE", "offline"),
     )
+    a, b = report.name_a, report.name_b
+    for name in (a, b):
+        run = wandb.init(name=name, job_type="training", **settings)
+        for row in report.rows:
+            run.log({"loss": row[f"loss_{name}"], "grad_norm": row[f"grad_norm_{name}"]}, step=row["step"])
+        run.finish()
+
+    run = wandb.init(name="difference", job_type="parity",
+                     config={"expect": report.expect, **asdict(report.thresholds)}, **settings)
     for row in report.rows:
         run.log({
-            f"loss/{a}": row[f"loss_{a}"], f"loss/{b}": row[f"loss_{b}"],
-            "loss/abs_diff": abs(row[f"loss_{a}"] - row[f"loss_{b}"]),
-            f"grad_norm/{a}": row[f"grad_norm_{a}"], f"grad_norm/{b}": row[f"grad_norm_{b}"],
+            "loss_abs_diff": abs(row[f"loss_{a}"] - row[f"loss_{b}"]),
+            "grad_norm_abs_diff": abs(row[f"grad_norm_{a}"] - row[f"grad_norm_{b}"]),
         }, step=row["step"])
     table = wandb.Table(columns=["metric", "max_abs", "mean_abs", "max_rel", "mean_rel"])
     for m, d in report.diffs.items():
         table.add_data(m, d.max_abs, d.mean_abs, d.max_rel, d.mean_rel)
-    run.log({"parity/summary": table})
+    run.log({"summary": table})
     run.summary.update({"passed": report.passed, "reason": report.reason,
                         "bitwise_equal_steps": report.bitwise_equal_steps, "steps": len(report.steps)})
     run_dir = Path(run.dir).parent

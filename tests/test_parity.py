@@ -52,6 +52,7 @@ def test_reports_are_written(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths["wandb"].name.startswith("offline-run-")  # offline: nothing sent
     assert list(paths["wandb"].glob("*.wandb"))
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 3  # uniep, torchtitan, difference
 
 
 def parity_cli(*args):
