@@ -5,7 +5,7 @@
     python scripts/tune.py --describe
 
 Ranks the whole schedule space with the cost model, measures the best ``--top``
-predictions and the default config (forward+backward, median of CUDA-event timings),
+predictions, the default config and its best-predicted one-knob neighbours (forward+backward, median of CUDA-event timings),
 writes the fastest into the tuning cache (keyed by device, EP degree, shape and
 4096-token bucket) and prints the cost model's error against the measurements.
 """
@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--shape", help="DIM,HIDDEN,EXPERTS,TOPK (instead of a config)")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per GPU (with --shape)")
     parser.add_argument("--top", type=int, default=8, help="predicted candidates to measure")
+    parser.add_argument("--local-search", type=int, default=8,
+                        help="also measure up to N one-knob neighbours of the default config")
     parser.add_argument("--describe", action="store_true", help="print the space and exit")
     args = parser.parse_args()
 
@@ -82,7 +84,8 @@ def main() -> None:
 
     from uniep.tune.measure import tune
 
-    report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func, score_before_experts=score_before)
+    report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func,
+                  score_before_experts=score_before, local_search=args.local_search)
     print("\n| candidate | predicted ms | measured ms |\n|---|---|---|")
     for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
         print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")

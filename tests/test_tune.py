@@ -106,3 +106,15 @@ def test_auto_config_in_a_layer_is_resolved_once_per_bucket(caplog):
         layer(torch.randn(1, 12, 32))  # same 4096-token bucket: no new resolution
     lines = [r.message for r in caplog.records if "config = 'auto'" in r.message]
     assert len(lines) == 1 and "D32-H16-E4-K2, 4096 tokens, EP 1: cost model choice" in lines[0]
+
+
+def test_neighbours_change_one_knob_and_fit_the_device():
+    from uniep.tune.search import neighbors
+
+    default = {k: getattr(UniEPConfig(), k) for k in CHOICES}
+    found = neighbors(default, SPEC)
+    assert found and all(sum(p[k] != default[k] for k in CHOICES) == 1 for p in found)
+    space = Space({k: np.array([p[k] for p in found]) for k in CHOICES})
+    assert feasible(space, SPEC.smem_per_block).all()
+    # gemm_num_stages 5 with the 128x128 gate/up tile needs 240 KiB of shared memory: not offered
+    assert not any(p["gemm_num_stages"] == 5 for p in found)

@@ -13,7 +13,7 @@ from uniep.config import UniEPConfig
 from uniep.moe import UniEPMoE
 from uniep.tune.cache import MoEShape, TuneCache
 from uniep.tune.device import DeviceSpec
-from uniep.tune.search import rank
+from uniep.tune.search import neighbors, rank
 from uniep.tune.space import KNOBS, full_space
 
 
@@ -51,9 +51,11 @@ def _progress(i: int, n: int, label: str, best: float) -> None:
 
 def tune(
     shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1,
-    score_func: str = "softmax", score_before_experts: bool = False, cache: TuneCache | None = None,
+    score_func: str = "softmax", score_before_experts: bool = False, local_search: int = 0,
+    cache: TuneCache | None = None,
 ) -> dict:
-    """Measure the ``top`` predicted points plus the default config; store the fastest.
+    """Measure the ``top`` predicted points, the default config and up to ``local_search``
+    of the default's one-knob neighbours (best predicted first); store the fastest.
 
     Returns ``{"best": {...}, "results": [{knobs, predicted_ms, measured_ms}, ...],
     "median_error", "worst_error"}`` (errors relative to the measured times).
@@ -67,16 +69,21 @@ def tune(
     grad = torch.randn_like(x)
 
     default = {k: getattr(UniEPConfig(), k) for k in KNOBS}
+    # predictions for every point from one evaluation of the model
+    space = full_space()
+    all_ranked = dict((tuple(k.items()), t) for k, t in rank(shape, tokens, spec, top=len(space), ep_size=ep_size))
     candidates = [knobs for knobs, _ in rank(shape, tokens, spec, top=top, ep_size=ep_size)]
     if default not in candidates:
         candidates.append(default)
-    # predictions for every candidate from one evaluation of the model over those points
-    space = full_space()
-    all_ranked = dict((tuple(k.items()), t) for k, t in rank(shape, tokens, spec, top=len(space), ep_size=ep_size))
+    nearby = sorted(neighbors(default, spec), key=lambda k: all_ranked.get(tuple(k.items()), float("inf")))
+    candidates += [k for k in nearby if k not in candidates][:local_search]
 
     results, best = [], float("inf")
     for i, knobs in enumerate(candidates):
-        label = "default" if knobs == default else f"predicted #{i + 1}"
+        changed = [f"{k}={v}" for k, v in knobs.items() if v != default[k]]
+        label = "default" if not changed else (
+            f"default with {changed[0]}" if len(changed) == 1 and i >= top else f"predicted #{i + 1}"
+        )
         _progress(i, len(candidates), label, best)
         layer.config = dataclasses.replace(UniEPConfig(backend="triton"), **knobs)
         try:

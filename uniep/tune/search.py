@@ -43,6 +43,21 @@ def rank(
     return [(space.point(int(i)), float(times[i])) for i in order if np.isfinite(times[i])]
 
 
+def neighbors(knobs: dict[str, int], spec: DeviceSpec) -> list[dict[str, int]]:
+    """Feasible points that differ from ``knobs`` in exactly one knob (a measured local
+    search around a known-good point catches what the cost model misranks)."""
+    from uniep.tune.space import CHOICES
+
+    points = [
+        {**knobs, name: value}
+        for name, values in CHOICES.items()
+        for value in values
+        if value != knobs[name]
+    ]
+    space = Space({k: np.array([p[k] for p in points]) for k in CHOICES})
+    return [p for p, ok in zip(points, feasible(space, spec.smem_per_block)) if ok]
+
+
 @functools.lru_cache(maxsize=256)
 def _best_predicted(shape: MoEShape, bucket: int, spec: DeviceSpec, ep_size: int) -> tuple[tuple[str, int], ...]:
     knobs, _ = rank(shape, bucket, spec, ep_size=ep_size, top=1)[0]
