@@ -239,13 +239,14 @@ class UniEPMoE(nn.Module):
         if self.config.config != "auto":
             return self.config
         from uniep.tune import MoEShape, device_spec, resolve, token_bucket
+        from uniep.tune.space import KNOBS
 
         key = (token_bucket(tokens), ep_size, str(device))
         if key not in self._auto_configs:
             w1 = self.experts.w1
             shape = MoEShape(dim=w1.shape[2], hidden=w1.shape[1], experts=self.num_experts, top_k=self.top_k)
             config, source = resolve(self.config, shape, tokens, device_spec(device), ep_size)
-            knobs = {k: v for k, v in config.to_dict().items() if k not in ("config", "backend", "transport")}
+            knobs = {k: getattr(config, k) for k in KNOBS}
             logger.info(f"UniEP config = 'auto' for {shape.key()}, {key[0]} tokens, EP {ep_size}: {source} choice {knobs}")
             self._auto_configs[key] = config
         return self._auto_configs[key]

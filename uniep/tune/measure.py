@@ -69,10 +69,10 @@ def tune(
     grad = torch.randn_like(x)
 
     default = {k: getattr(UniEPConfig(), k) for k in KNOBS}
-    # predictions for every point from one evaluation of the model
-    space = full_space()
-    all_ranked = dict((tuple(k.items()), t) for k, t in rank(shape, tokens, spec, top=len(space), ep_size=ep_size))
-    candidates = [knobs for knobs, _ in rank(shape, tokens, spec, top=top, ep_size=ep_size)]
+    # predictions for every feasible point from one evaluation of the model, best first
+    ranked = rank(shape, tokens, spec, top=len(full_space()), ep_size=ep_size)
+    all_ranked = {tuple(k.items()): t for k, t in ranked}
+    candidates = [knobs for knobs, _ in ranked[:top]]
     if default not in candidates:
         candidates.append(default)
     nearby = sorted(neighbors(default, spec), key=lambda k: all_ranked.get(tuple(k.items()), float("inf")))
