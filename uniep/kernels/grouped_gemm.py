@@ -67,6 +67,88 @@ def _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E: tl.constexpr):
 
 
 @triton.jit
+def _tile_coords(tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
+                 LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of the schedule -> (expert, rows (BLOCK_M,), row mask, cols (BLOCK_N,), col mask)."""
+    m_tile = tile // n_tiles
+    e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
+    row_end = tl.load(expert_offsets_ptr + e + 1)
+    rows = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, rows, rows < row_end, cols, cols < N
+
+
+@triton.jit
+def _tile_accumulate(
+    e, a_rows, mask_m, cols, mask_n, scale,
+    a_ptr, a2_ptr, b_ptr, b2_ptr, Kd, stride_am, stride_be, stride_bk, stride_bn,
+    MODE: tl.constexpr, HAS_A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
+    The reduction runs over Kd in order, so the bits depend on BLOCK_K only."""
+    offs_k = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + e.to(tl.int64) * stride_be
+    b2_base = b2_ptr + e.to(tl.int64) * stride_be
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, Kd, BLOCK_K):
+        ks = k + offs_k
+        mask_k = ks < Kd
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if HAS_A_SCALE:
+            a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
+        b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        b_mask = mask_k[:, None] & mask_n[None, :]
+        acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc)
+        if MODE == _SWIGLU_FWD:
+            acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3)
+    if MODE == _DUAL:
+        for k in range(0, Kd, BLOCK_K):
+            ks = k + offs_k
+            mask_k = ks < Kd
+            a2 = tl.load(a2_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b2 = tl.load(b2_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a2, b2, acc)
+    return acc, acc3
+
+
+@triton.jit
+def _tile_store(
+    acc, acc3, rows, mask_m, cols, mask_n, c_rows,
+    c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE: tl.constexpr,
+):
+    """Epilogue of one tile: C rows ``c_rows`` (and the SwiGLU side outputs at ``rows``)."""
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
+    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
+    out_ty = c_ptr.dtype.element_ty
+    if MODE == _SWIGLU_FWD:
+        # Round the pre-activations to the storage dtype first, as separate GEMM and
+        # SwiGLU ops would, so forward and backward see the same a1, a3.
+        a1 = acc.to(out_ty)
+        a3 = acc3.to(out_ty)
+        tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
+        tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
+        a1f = a1.to(tl.float32)
+        h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+        tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
+    elif MODE == _SWIGLU_BWD:
+        a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+        a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a1f)
+        silu = a1f * sig
+        d_a1 = acc * a3f * (sig + silu * (1.0 - sig))
+        tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
+        tl.store(c2_ptr + c_offs, (acc * silu).to(out_ty), mask=mask_c)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a2_ptr,  # (rows_a, Kd): input rows
     a_row_ptr,  # (R,) int32: row of A for each plan row (HAS_A_ROW)
@@ -87,80 +169,25 @@ def _grouped_gemm_kernel(
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        m_tile = tile // n_tiles
-        n_start = (tile % n_tiles) * BLOCK_N
-        e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
-        row_end = tl.load(expert_offsets_ptr + e + 1)
-        rows = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M + offs_m
-        mask_m = rows < row_end
-        cols = n_start + offs_n
-        mask_n = cols < N
+        e, rows, mask_m, cols, mask_n = _tile_coords(
+            tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
+        )
         if HAS_A_ROW:
             a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
         else:
             a_rows = rows.to(tl.int64)
-        if HAS_A_SCALE:
-            scale = tl.load(a_scale_ptr + rows, mask=mask_m, other=0.0)
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if MODE == _SWIGLU_FWD:
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            b2_base = b2_ptr + e.to(tl.int64) * stride_be
-        for k in range(0, Kd, BLOCK_K):
-            ks = k + offs_k
-            mask_k = ks < Kd
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if HAS_A_SCALE:
-                a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
-            b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
-            b_mask = mask_k[:, None] & mask_n[None, :]
-            acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc)
-            if MODE == _SWIGLU_FWD:
-                acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3)
-        if MODE == _DUAL:
-            b2_base = b2_ptr + e.to(tl.int64) * stride_be
-            for k in range(0, Kd, BLOCK_K):
-                ks = k + offs_k
-                mask_k = ks < Kd
-                a2 = tl.load(a2_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b2 = tl.load(b2_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                             mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = tl.dot(a2, b2, acc)
-
+        scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_A_SCALE, other=0.0)
+        acc, acc3 = _tile_accumulate(
+            e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
+            Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
         if HAS_C_ROW:
             c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
         else:
             c_rows = rows.to(tl.int64)
-        mask_c = mask_m[:, None] & mask_n[None, :]
-        c_offs = c_rows[:, None] * stride_cm + cols[None, :]
-        aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
-        out_ty = c_ptr.dtype.element_ty
-        if MODE == _SWIGLU_FWD:
-            # Round the pre-activations to the storage dtype first, as separate GEMM and
-            # SwiGLU ops would, so forward and backward see the same a1, a3.
-            a1 = acc.to(out_ty)
-            a3 = acc3.to(out_ty)
-            tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
-            tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
-            a1f = a1.to(tl.float32)
-            h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
-            tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
-        elif MODE == _SWIGLU_BWD:
-            a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-            a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(a1f)
-            silu = a1f * sig
-            d_a1 = acc * a3f * (sig + silu * (1.0 - sig))
-            tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
-            tl.store(c2_ptr + c_offs, (acc * silu).to(out_ty), mask=mask_c)
-        else:
-            tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+        _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
+                    c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:

@@ -1,0 +1,211 @@
+"""Megakernel 1: token dispatch fused with the first grouped GEMM of the experts.
+
+Shape legend: W expert-parallel ranks, T_cap tokens per rank (capacity), D model dim,
+K experts per token, S sends, R rows (expert-major, the plan's order), H hidden dim.
+
+One persistent launch; programs take tasks from an atomic counter:
+
+- tasks ``[0, n_push)`` push rows. A *send* is one (token, owner rank) pair: the token
+  crosses to its owner once, however many of the owner's experts it was routed to
+  (relay dedup), into the owner's landing buffer at slot ``src * T_cap + token``. With
+  the token the sender writes, for each of its rows on the owner, the row's landing
+  slot, its score and its origin (``src * P_cap + t*K + k``), then raises the row's
+  ready flag (the call's epoch). Sends are ordered by the owner's lowest expert first,
+  so the GEMM tiles of low experts can start early;
+- tasks ``[n_push, n_push + tiles)`` are tiles of the grouped GEMM over this launch's
+  owner rows. A tile waits for the ready flags of its rows, gathers its A rows from the
+  landing buffer (a deduplicated token feeds all of its rows: the relay copy is the
+  GEMM's own gather) and runs the tile exactly as ``grouped_gemm`` does, so its bits
+  equal the sequential dispatch-then-GEMM.
+
+Pushes precede tiles in counter order, so programs that run one after another (the
+Triton interpreter) never wait for work not yet done, and on a GPU a waiting tile only
+ever waits for pushes already taken by running programs (or by peers).
+
+Forward: mode SWIGLU_FWD, pushes x and the row metadata. Backward: mode SWIGLU_BWD,
+pushes the output gradient only (the metadata was saved by the owner in the forward).
+
+A launch covers the ranks ``[rank0, rank0 + local_ranks)``: one real rank (its peers'
+buffers reached through pointer tables) or W virtual ranks on one device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from uniep.kernels.flags import _STAGE_DISPATCH, publish_flags, raise_on_error, wait_flags
+from uniep.kernels.grouped_gemm import (
+    SWIGLU_BWD,
+    SWIGLU_FWD,
+    GemmTiles,
+    _num_programs,
+    _tile_accumulate,
+    _tile_coords,
+    _tile_store,
+    _weight_view,
+)
+
+
+@triton.jit
+def _push_rows(
+    chunk, x_ptr, tok_base_ptr,
+    send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
+    land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+    n_sends, D, T_cap, P_cap, rank0, epoch,
+    K: tl.constexpr, KP: tl.constexpr, PUSH_META: tl.constexpr,
+    SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Push sends ``[chunk * SENDS_PER_TASK, ...)``: token rows, row metadata, row flags."""
+    idx = chunk * SENDS_PER_TASK + tl.arange(0, SENDS_PER_TASK)
+    mask_s = idx < n_sends
+    src = tl.load(send_src_ptr + idx, mask=mask_s, other=0)
+    token = tl.load(send_token_ptr + idx, mask=mask_s, other=0)
+    dest = tl.load(send_dest_ptr + idx, mask=mask_s, other=0)
+    x_rows = (tl.load(tok_base_ptr + src - rank0, mask=mask_s, other=0) + token).to(tl.int64)
+    slot = src * T_cap + token
+    land = tl.load(land_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = mask_s[:, None] & (cols < D)[None, :]
+        v = tl.load(x_ptr + x_rows[:, None] * D + cols[None, :], mask=mask)
+        tl.store(land[:, None] + slot.to(tl.int64)[:, None] * D + cols[None, :], v, mask=mask)
+
+    kk = tl.arange(0, KP)
+    mask_k = mask_s[:, None] & (kk < K)[None, :]
+    at = idx[:, None] * K + kk[None, :]
+    rows = tl.load(send_rows_ptr + at, mask=mask_k, other=-1)
+    mask_r = mask_k & (rows >= 0)
+    if PUSH_META:
+        a_row_base = tl.load(a_row_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(a_row_base[:, None] + rows, tl.broadcast_to(slot[:, None], (SENDS_PER_TASK, KP)), mask=mask_r)
+        pairs = tl.load(send_pairs_ptr + at, mask=mask_r, other=0)
+        origin_base = tl.load(origin_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(origin_base[:, None] + rows, src[:, None] * P_cap + pairs, mask=mask_r)
+        scale = tl.load(send_scale_ptr + at, mask=mask_r, other=0.0)
+        scale_base = tl.load(scale_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(scale_base[:, None] + rows, scale, mask=mask_r)
+    flag_base = tl.load(flag_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
+    publish_flags(flag_base[:, None] + rows, mask_r, epoch, False)
+
+
+@triton.jit
+def _dispatch_gemm_kernel(
+    counter_ptr, error_ptr,
+    # push side (this launch's sources)
+    x_ptr, tok_base_ptr,
+    send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
+    land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+    n_sends, n_push, D, T_cap, P_cap, rank0, epoch, max_spins,
+    # GEMM side (this launch's owners; rows concatenated over them)
+    land_ptr,  # (local_ranks * W * T_cap, D) landing buffers of this launch's owners
+    a_row_ptr, a_scale_ptr, row_flag_ptr,  # (R,) slot, score, ready flag of each row
+    b_ptr, b2_ptr, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
+    expert_offsets_ptr, tile_offsets_ptr,
+    N, Kd, num_experts, experts_per_rank, land_rows_per_rank,
+    stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
+    MODE: tl.constexpr, PUSH_META: tl.constexpr, HAS_SCALE: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+    LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total = n_push + tl.load(tile_offsets_ptr + num_experts) * n_tiles
+    task = tl.atomic_add(counter_ptr, 1)
+    while task < total:
+        if task < n_push:
+            _push_rows(
+                task, x_ptr, tok_base_ptr,
+                send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
+                land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+                n_sends, D, T_cap, P_cap, rank0, epoch,
+                K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D,
+            )
+        else:
+            e, rows, mask_m, cols, mask_n = _tile_coords(
+                task - n_push, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
+                LOG2_E, BLOCK_M, BLOCK_N,
+            )
+            owner = e // experts_per_rank
+            wait_flags(row_flag_ptr, rows, mask_m, epoch, max_spins, error_ptr, rank0 + owner, _STAGE_DISPATCH)
+            a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64) + owner.to(tl.int64) * land_rows_per_rank
+            scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_SCALE, other=0.0)
+            acc, acc3 = _tile_accumulate(
+                e, a_rows, mask_m, cols, mask_n, scale, land_ptr, land_ptr, b_ptr, b2_ptr,
+                Kd, D, stride_be, stride_bk, stride_bn, MODE, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+            _tile_store(acc, acc3, rows, mask_m, cols, mask_n, rows.to(tl.int64),
+                        c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+        task = tl.atomic_add(counter_ptr, 1)
+
+
+def dispatch_gemm(
+    sends,
+    peers,
+    owner_rows,
+    x_TD: torch.Tensor,
+    w_E: torch.Tensor,
+    w3_E: torch.Tensor | None,
+    *,
+    mode: int,
+    epoch: int,
+    tiles: GemmTiles,
+    sends_per_task: int,
+    max_spins: int,
+    a_row: torch.Tensor,
+    a_scale: torch.Tensor,
+    scale_rows: bool,
+    aux: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
+    """Launch megakernel 1 for one EP launch (see the module docstring).
+
+    ``sends`` (:class:`uniep.transport.megakernel.Sends`) and ``x_TD`` (this launch's
+    tokens, sources concatenated) are the push side; ``peers``
+    (:class:`~uniep.transport.megakernel.PeerBuffers`) the landing and flag buffers of
+    every rank; ``owner_rows`` (:class:`~uniep.transport.megakernel.OwnerRows`) this
+    launch's rows. Forward (SWIGLU_FWD, ``w_E`` = w1, ``w3_E`` = w3): pushes the
+    metadata (slot, score, origin of every row) into the owners' buffers, reads
+    ``a_row`` / ``a_scale`` (this launch's views of them) and returns (h, a1, a3)
+    (R, H). Backward (SWIGLU_BWD, ``w_E`` = w2, ``aux`` = (a1, a3)): pushes rows only,
+    reads the saved ``a_row`` / ``a_scale`` and returns (d_a1, d_a3) (R, H).
+    ``scale_rows``: multiply each gathered row by its score before the dot.
+    """
+    transpose = mode == SWIGLU_FWD
+    Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
+    R = owner_rows.num_rows
+    if mode == SWIGLU_FWD:
+        aux = (x_TD.new_empty(R, N), x_TD.new_empty(R, N))
+    c = x_TD.new_empty(R, N)
+    c2 = x_TD.new_empty(R, N) if mode == SWIGLU_BWD else c
+    n_push = triton.cdiv(sends.num_sends, sends_per_task)
+    upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
+    programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles)
+    counter = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
+    error = torch.zeros(4, dtype=torch.int32, device=x_TD.device)
+    D = x_TD.shape[1]
+    K = sends.rows.shape[1]
+    push_meta = mode == SWIGLU_FWD
+    _dispatch_gemm_kernel[(programs,)](
+        counter, error,
+        x_TD, sends.token_base,
+        sends.src, sends.token, sends.dest, sends.rows, sends.pairs,
+        sends.scale,
+        peers.tables["land"], peers.tables["a_row"], peers.tables["scale"], peers.tables["origin"],
+        peers.tables["row_flag"],
+        sends.num_sends, n_push, D, peers.tokens_cap, peers.pairs_cap, peers.rank0, epoch, max_spins,
+        peers.local("land"), a_row, a_scale, peers.local("row_flag"),
+        w_E, w_E if w3_E is None else w3_E, c, c2, aux[0], aux[1],
+        owner_rows.expert_offsets, owner_rows.tile_offsets,
+        N, Kd, w_E.shape[0], owner_rows.experts_per_rank, peers.world * peers.tokens_cap,
+        s_be, s_bk, s_bn, c.stride(0), aux[0].stride(0),
+        MODE=mode, PUSH_META=push_meta, HAS_SCALE=scale_rows,
+        K=K, KP=triton.next_power_of_2(K), SENDS_PER_TASK=sends_per_task,
+        BLOCK_D=min(256, triton.next_power_of_2(D)),
+        LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    raise_on_error(error, "dispatch_gemm")
+    if mode == SWIGLU_FWD:
+        return c, aux[0], aux[1]
+    return c, c2

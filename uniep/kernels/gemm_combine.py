@@ -1,0 +1,159 @@
+"""Megakernel 2: the last grouped GEMM of the experts fused with the top-k combine.
+
+Shape legend: W expert-parallel ranks, R rows on the owners (expert-major), N = D model
+dim, T tokens and K experts per token on a sender, P_cap = T_cap * K pair slots.
+
+One persistent launch; programs take tasks from an atomic counter:
+
+- tasks ``[0, tiles)`` are GEMM tiles over this launch's owner rows. The epilogue writes
+  each output row straight into its sender's return buffer at the pair's slot
+  ``t*K + k`` (the row's origin, pushed by the sender in megakernel 1), then adds one
+  to the pair's flag: a pair is complete when all ``cdiv(N, BLOCK_N)`` column tiles
+  have landed;
+- tasks ``[tiles, tiles + n_combine)`` combine a block of a sender's tokens: wait for
+  the flags of their K pairs, sum ``w[t, k] * y[t*K + k]`` in fp32 in the order
+  k = 0..K-1 (the bits of ``topk_combine``), then reset the flags for the next call.
+  Every pair is consumed by exactly one combine task, which is why a reset is safe.
+
+Forward: mode PLAIN over h with w2 (y rows). Backward: mode DUAL over (d a1, d a3) with
+(w1, w3) (the rows' input gradients), summed per token into grad x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from uniep.kernels.flags import _STAGE_COMBINE, publish_flags, raise_on_error, wait_flags
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, _tile_accumulate, _tile_coords, _weight_view
+
+
+@triton.jit
+def _combine_tokens(
+    task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
+    N, P_cap, rank0, n_col_tiles, max_spins, error_ptr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    src = tl.load(combine_src_ptr + task)
+    local = src - rank0
+    tokens = tl.load(combine_t0_ptr + task) + tl.arange(0, TOKENS_PER_TASK)
+    mask_t = tokens < tl.load(tok_count_ptr + local)
+    kk = tl.arange(0, KP)
+    pairs = tokens[:, None] * K + kk[None, :]
+    mask_p = mask_t[:, None] & (kk < K)[None, :]
+    flags = ret_flag_ptr + local.to(tl.int64) * P_cap
+    wait_flags(flags, pairs, mask_p, n_col_tiles, max_spins, error_ptr, src, _STAGE_COMBINE)
+    rows = ret_ptr + local.to(tl.int64) * P_cap * N
+    out_rows = (tl.load(tok_base_ptr + local) + tokens).to(tl.int64)
+    for d0 in range(0, N, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = mask_t[:, None] & (cols < N)[None, :]
+        acc = tl.zeros((TOKENS_PER_TASK, BLOCK_D), dtype=tl.float32)
+        for k in tl.static_range(K):
+            term = tl.load(rows + (tokens * K + k).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+            term = term.to(tl.float32)
+            if HAS_W:
+                term = term * tl.load(w_ptr + out_rows * K + k, mask=mask_t, other=0.0)[:, None]
+            acc += term
+        tl.store(out_ptr + out_rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    # Reads done (barrier inside): the pairs are free for the next call.
+    publish_flags(flags + pairs, mask_p, 0, False)
+
+
+@triton.jit
+def _gemm_combine_kernel(
+    counter_ptr, error_ptr,
+    # GEMM side (this launch's owners)
+    a_ptr, a2_ptr, b_ptr, b2_ptr, origin_ptr, ret_table_ptr, ret_flag_table_ptr,
+    expert_offsets_ptr, tile_offsets_ptr,
+    N, Kd, num_experts, stride_am, stride_be, stride_bk, stride_bn,
+    # combine side (this launch's senders)
+    ret_ptr, ret_flag_ptr, w_ptr, out_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
+    n_combine, P_cap, rank0, max_spins,
+    MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+    LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    gemm_tasks = tl.load(tile_offsets_ptr + num_experts) * n_tiles
+    task = tl.atomic_add(counter_ptr, 1)
+    while task < gemm_tasks + n_combine:
+        if task < gemm_tasks:
+            e, rows, mask_m, cols, mask_n = _tile_coords(
+                task, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
+            )
+            acc, _ = _tile_accumulate(
+                e, rows.to(tl.int64), mask_m, cols, mask_n, mask_m, a_ptr, a2_ptr, b_ptr, b2_ptr,
+                Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, False, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+            origin = tl.load(origin_ptr + rows, mask=mask_m, other=0)
+            src = origin // P_cap
+            pair = (origin % P_cap).to(tl.int64)
+            ret_rows = tl.load(ret_table_ptr + src, mask=mask_m, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            tl.store(ret_rows[:, None] + pair[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
+            flag_base = tl.load(ret_flag_table_ptr + src, mask=mask_m, other=0).to(tl.pointer_type(tl.int32))
+            publish_flags(flag_base + pair, mask_m, 1, True)
+        else:
+            _combine_tokens(
+                task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr,
+                combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
+                N, P_cap, rank0, n_tiles, max_spins, error_ptr,
+                K, KP, HAS_W, TOKENS_PER_TASK, BLOCK_D,
+            )
+        task = tl.atomic_add(counter_ptr, 1)
+
+
+def gemm_combine(
+    sends,
+    peers,
+    owner_rows,
+    a: torch.Tensor,
+    a2: torch.Tensor | None,
+    w_E: torch.Tensor,
+    w2_E: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    *,
+    mode: int,
+    origin: torch.Tensor,
+    tiles: GemmTiles,
+    tokens_per_task: int,
+    max_spins: int,
+) -> torch.Tensor:
+    """Launch megakernel 2 for one EP launch; returns (T, N): this launch's tokens, each
+    the fixed-order sum over k of ``weights[t, k]`` (or 1) times its pair's row.
+
+    Forward (PLAIN): ``a`` = h (R, H), ``w_E`` = w2, transposed. Backward (DUAL): ``a``,
+    ``a2`` = d a1, d a3 (R, H), ``w_E``, ``w2_E`` = w1, w3. ``origin`` (R,) int32 is each
+    row's ``src * P_cap + t*K + k``. The pair rows themselves stay readable in the
+    senders' return buffers (``peers.local("ret")``) until the next launch.
+    """
+    transpose = w2_E is None
+    Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
+    R = owner_rows.num_rows
+    T = sends.num_tokens
+    out = a.new_empty(T, N)
+    K = sends.rows.shape[1]
+    combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
+    upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
+    programs = _num_programs(tiles, a.device, upper_tiles + combine_src.numel())
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+    error = torch.zeros(4, dtype=torch.int32, device=a.device)
+    _gemm_combine_kernel[(programs,)](
+        counter, error,
+        a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,
+        peers.tables["ret"], peers.tables["ret_flag"],
+        owner_rows.expert_offsets, owner_rows.tile_offsets,
+        N, Kd, w_E.shape[0], a.stride(0), s_be, s_bk, s_bn,
+        peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,
+        combine_src, combine_t0, sends.token_base, sends.token_count,
+        combine_src.numel(), peers.pairs_cap, peers.rank0, max_spins,
+        MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None,
+        TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
+        LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    raise_on_error(error, "gemm_combine")
+    return out

@@ -1,0 +1,408 @@
+"""The megakernel transport: dispatch, expert MLP and combine in two fused launches.
+
+Shape legend: W expert-parallel ranks, El experts per rank, T tokens of a rank (T_cap
+the largest), K experts per token, P = T*K pairs, D model dim, H hidden dim, R rows
+of an owner (expert-major, Algorithm 1's order), S sends.
+
+A *launch* covers a contiguous range of ranks ``[rank0, rank0 + local_ranks)``:
+
+- one real rank per process: its peers' buffers are ``torch.distributed``
+  symmetric memory inside a node (:meth:`PeerBuffers.symmetric`);
+- W *virtual* ranks on one device in one launch (:meth:`PeerBuffers.virtual`): the
+  peers' buffers are other allocations on the same device. This runs the whole
+  protocol (pushes, flags, remote epilogues, waits) on one GPU, and under the Triton
+  interpreter on CPU.
+
+Forward: ``dispatch_gemm`` (pushes + gate/up GEMM with SwiGLU), ``gemm_combine``
+(down GEMM into the senders' return buffers + fixed-order combine). Backward:
+``dispatch_gemm`` (pushes the output gradient + down dgrad with SwiGLU backward),
+``gemm_combine`` (up dgrad of w1 and w3 + fixed-order sum into grad x), then the
+owners' weight gradients (``grouped_wgrad``, rows in plan order). Every GEMM uses the
+same tiles and row order as the single-rank fused path, so outputs and gradients are
+bitwise those of the sequential execution for any schedule and any W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from uniep.kernels.dispatch_gemm import dispatch_gemm
+from uniep.kernels.gemm_combine import gemm_combine
+from uniep.kernels.grouped_gemm import DUAL, PLAIN, SWIGLU_BWD, SWIGLU_FWD, GemmTiles, tile_offsets
+from uniep.kernels.combine import topk_combine_bwd
+from uniep.kernels.wgrad import grouped_wgrad
+from uniep.plan import build_plan
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a launch runs. Only the tiles' ``block_*`` change bits; everything else is
+    a schedule knob (programs, warps, stages, task sizes)."""
+
+    gemm: GemmTiles
+    up: GemmTiles
+    wgrad: GemmTiles
+    wgrad_up: GemmTiles
+    sends_per_task: int = 16
+    tokens_per_task: int = 16
+    max_spins: int = 1 << 24
+
+
+# Buffer regions of one rank: name -> (rows-kind, dtype or None for the activation dtype).
+# "land" is (W * T_cap, D), "ret" is (P_cap, D), "ret_flag" is (P_cap,), the others (R_cap,).
+_REGIONS = {
+    "land": None, "ret": None, "ret_flag": torch.int32,
+    "a_row": torch.int32, "scale": torch.float32, "origin": torch.int32, "row_flag": torch.int32,
+}
+_ROW_REGIONS = ("a_row", "scale", "origin", "row_flag")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+class PeerBuffers:
+    """Every rank's landing, return, metadata and flag buffers, reached through
+    per-region tables of device addresses (``tables[name]``: (W,) int64)."""
+
+    def __init__(self, world: int, rank0: int, local_ranks: int, group: dist.ProcessGroup | None):
+        self.world, self.rank0, self.local_ranks, self.group = world, rank0, local_ranks, group
+        self.tokens_cap = self.pairs_cap = self.rows_cap = 0
+        self.dim, self.dtype = 0, None
+        self.epoch = 0
+        self.tables: dict[str, torch.Tensor] = {}
+        self._local: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def virtual(cls, world: int) -> "PeerBuffers":
+        """W ranks in one process and one launch, all on one device."""
+        return cls(world, 0, world, None)
+
+    @classmethod
+    def symmetric(cls, group: dist.ProcessGroup) -> "PeerBuffers":
+        """This rank of ``group``; the peers' buffers through symmetric memory."""
+        return cls(dist.get_world_size(group), dist.get_rank(group), 1, group)
+
+    def local(self, name: str) -> torch.Tensor:
+        """This launch's view of a region: its ranks' regions, contiguous."""
+        return self._local[name]
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def prepare(self, tokens: int, top_k: int, rows_per_owner: list[int], dim: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Make room for a call (every rank of a real group decides the same: the inputs
+        come from the all-gathered count table) and point the row tables at each
+        owner's rows."""
+        rows = max(rows_per_owner) if self.group is not None else sum(rows_per_owner[self.rank0:self.rank0 + self.local_ranks])
+        if (tokens > self.tokens_cap or tokens * top_k > self.pairs_cap or rows > self.rows_cap
+                or dim != self.dim or dtype != self.dtype):
+            self.tokens_cap = _round_up(max(tokens, self.tokens_cap), 1024)
+            self.pairs_cap = self.tokens_cap * top_k
+            self.rows_cap = _round_up(max(rows, self.rows_cap), 4096)
+            self.dim, self.dtype = dim, dtype
+            self._allocate(device)
+        if self.group is None:
+            # Virtual owners share one row space: owner d's rows start at row_base[d].
+            row_base = torch.tensor([0] + rows_per_owner[:-1], dtype=torch.int64).cumsum(0)
+            for name in _ROW_REGIONS:
+                t = self._local[name]
+                self.tables[name] = (t.data_ptr() + row_base * t.element_size()).to(device)
+
+    def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        W, D = self.world, self.dim
+        shapes = {"land": (W * self.tokens_cap, D), "ret": (self.pairs_cap, D), "ret_flag": (self.pairs_cap,)}
+        shapes.update({name: (self.rows_cap,) for name in _ROW_REGIONS})
+        return {name: (shape, _REGIONS[name] or self.dtype) for name, shape in shapes.items()}
+
+    def _allocate(self, device: torch.device) -> None:
+        shapes = self._shapes()
+        if self.group is None:
+            W = self.world
+            for name, (shape, dtype) in shapes.items():
+                rank_rows = 1 if name in _ROW_REGIONS else W  # row regions: one shared row space
+                full = torch.zeros((rank_rows * shape[0], *shape[1:]), dtype=dtype, device=device)
+                self._local[name] = full
+                step = full[: shape[0]].numel() * full.element_size()
+                self.tables[name] = torch.tensor(
+                    [full.data_ptr() + (r * step if rank_rows > 1 else 0) for r in range(W)], dtype=torch.int64, device=device
+                )
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        offsets, total = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            offsets[name] = total
+            total += _round_up(int(torch.Size(shape).numel()) * dtype.itemsize, 256)
+        buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        buffer.zero_()
+        handle = symm_mem.rendezvous(buffer, self.group.group_name)
+        self._buffer, self._handle = buffer, handle
+        for name, (shape, dtype) in shapes.items():
+            nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+            self._local[name] = buffer[offsets[name] : offsets[name] + nbytes].view(dtype).view(shape)
+            self.tables[name] = torch.tensor(
+                [ptr + offsets[name] for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device
+            )
+        handle.barrier()
+
+
+@dataclass
+class Sends:
+    """The sends of a launch's senders, in push order (owner's lowest expert first).
+
+    ``src``, ``token``, ``dest`` (S,) int32: a token of rank ``src`` going to rank ``dest``
+    once; ``rows``, ``pairs`` (S, K) int32: its rows on ``dest`` and their pair ids
+    ``t*K + k`` (-1 padded); ``scale`` (S, K) fp32: the rows' scores. ``token_base`` and
+    ``token_count`` (local_ranks,) int32: each sender's tokens in the launch's x."""
+
+    src: torch.Tensor
+    token: torch.Tensor
+    dest: torch.Tensor
+    rows: torch.Tensor
+    pairs: torch.Tensor
+    scale: torch.Tensor
+    token_base: torch.Tensor
+    token_count: torch.Tensor
+    tokens_per_sender: list[int]
+    rank0: int
+
+    @property
+    def num_sends(self) -> int:
+        return self.src.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens_per_sender)
+
+    def combine_tasks(self, tokens_per_task: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sender rank, first token) of every combine task, (n,) int32 each."""
+        src, first = [], []
+        for i, tokens in enumerate(self.tokens_per_sender):
+            starts = list(range(0, tokens, tokens_per_task))
+            src += [self.rank0 + i] * len(starts)
+            first += starts
+        device = self.src.device
+        return (torch.tensor(src, dtype=torch.int32, device=device),
+                torch.tensor(first, dtype=torch.int32, device=device))
+
+
+def _sends_of_rank(topk_TK, scores_TK, dest_row_P, rank, world, experts_per_rank, tokens_cap):
+    """(sort key, src, token, dest, rows, pairs, scale) of one sender's sends."""
+    T, K = topk_TK.shape
+    device = topk_TK.device
+    dest_TK = topk_TK // experts_per_rank
+    group_key = (torch.arange(T, device=device)[:, None] * world + dest_TK).reshape(-1)
+    order = torch.argsort(group_key, stable=True)  # pairs of one send together, k ascending
+    keys, send_of_pair_sorted, counts = torch.unique_consecutive(group_key[order], return_inverse=True, return_counts=True)
+    S = keys.numel()
+    slot_in_send = torch.arange(order.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[send_of_pair_sorted]
+    rows = torch.full((S, K), -1, dtype=torch.int32, device=device)
+    pairs = torch.full((S, K), -1, dtype=torch.int32, device=device)
+    scale = torch.zeros((S, K), dtype=torch.float32, device=device)
+    rows[send_of_pair_sorted, slot_in_send] = dest_row_P[order].to(torch.int32)
+    pairs[send_of_pair_sorted, slot_in_send] = order.to(torch.int32)
+    scale[send_of_pair_sorted, slot_in_send] = scores_TK.reshape(-1)[order].float()
+    token, dest = keys // world, keys % world
+    lowest_expert = torch.full((S,), experts_per_rank, dtype=torch.int64, device=device)
+    lowest_expert.scatter_reduce_(0, send_of_pair_sorted, (topk_TK.reshape(-1) % experts_per_rank)[order], "amin")
+    # Priority: the owner's lowest expert first; owners visited starting after the
+    # sender (spreads the first pushes over the owners); then sender, then token.
+    key = ((lowest_expert * world + (dest - rank) % world) * world + rank) * tokens_cap + token
+    src = torch.full((S,), rank, dtype=torch.int32, device=device)
+    return key, src, token.to(torch.int32), dest.to(torch.int32), rows, pairs, scale
+
+
+def build_sends(
+    topk_per_sender: list[torch.Tensor],
+    scores_per_sender: list[torch.Tensor],
+    count_table_WE: torch.Tensor,
+    rank0: int,
+    tokens_cap: int,
+) -> Sends:
+    """The sends of senders ``rank0, rank0 + 1, ...`` (one (T_i, K) routing each), rows
+    placed by Algorithm 1 over the all-gathered ``count_table_WE``."""
+    W, E = count_table_WE.shape
+    parts = []
+    for i, (topk_TK, scores_TK) in enumerate(zip(topk_per_sender, scores_per_sender)):
+        plan = build_plan(topk_TK, E, count_table_WE, rank0 + i)
+        dest_row_P = plan.dest_rows[plan.send_order_inverse]
+        parts.append(_sends_of_rank(topk_TK, scores_TK, dest_row_P, rank0 + i, W, E // W, tokens_cap))
+    key, src, token, dest, rows, pairs, scale = (torch.cat(column) for column in zip(*parts))
+    order = torch.argsort(key)
+    tokens = [t.shape[0] for t in topk_per_sender]
+    device = key.device
+    return Sends(
+        src=src[order], token=token[order], dest=dest[order],
+        rows=rows[order].contiguous(), pairs=pairs[order].contiguous(), scale=scale[order].contiguous(),
+        token_base=torch.tensor([sum(tokens[:i]) for i in range(len(tokens))], dtype=torch.int32, device=device),
+        token_count=torch.tensor(tokens, dtype=torch.int32, device=device),
+        tokens_per_sender=tokens, rank0=rank0,
+    )
+
+
+@dataclass(frozen=True)
+class OwnerRows:
+    """The rows of a launch's owners, concatenated (owner-major = expert-major)."""
+
+    rows_per_expert: torch.Tensor
+    """(local_ranks * El,) int64 on the device."""
+    expert_offsets: torch.Tensor
+    """(local_ranks * El + 1,) int32."""
+    tile_offsets: torch.Tensor
+    """(local_ranks * El + 1,) int32 row tiles of ``block_m`` rows."""
+    rows_per_owner: list[int]
+    landing_row: torch.Tensor
+    """(R,) int64: first landing row of each row's owner in the launch's landing view."""
+    experts_per_rank: int
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.rows_per_owner)
+
+
+def owner_rows(count_table_WE: torch.Tensor, rank0: int, local_ranks: int, block_m: int, landing_rows: int) -> OwnerRows:
+    W, E = count_table_WE.shape
+    El = E // W
+    per_expert = count_table_WE.sum(0)
+    mine = per_expert[rank0 * El : (rank0 + local_ranks) * El]
+    per_owner = per_expert.view(W, El).sum(1).tolist()
+    expert_offsets, tiles = tile_offsets(mine, block_m)
+    local = per_owner[rank0 : rank0 + local_ranks]
+    landing_row = torch.repeat_interleave(
+        torch.arange(local_ranks, device=mine.device) * landing_rows,
+        torch.tensor(local, device=mine.device), output_size=sum(local),
+    )
+    return OwnerRows(mine, expert_offsets, tiles, per_owner, landing_row, El)
+
+
+@dataclass
+class Launch:
+    """Everything one call needs: who is in the launch, where the buffers are, how to run."""
+
+    peers: PeerBuffers
+    sends: Sends
+    rows: OwnerRows
+    schedule: Schedule
+    score_before_experts: bool
+
+
+def _senders_rows(region: torch.Tensor, sends: Sends, pairs_cap: int, top_k: int) -> torch.Tensor:
+    """(P, D): the pair rows of a launch's senders, taken from their return buffers."""
+    per_sender = region.view(-1, pairs_cap, region.shape[-1])
+    return torch.cat([per_sender[i, : t * top_k] for i, t in enumerate(sends.tokens_per_sender)])
+
+
+class _MegakernelExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scores_TK, w1, w2, w3, launch: Launch):
+        peers, sends, rows, sched = launch.peers, launch.sends, launch.rows, launch.schedule
+        K = scores_TK.shape[1]
+        dtypes = (w1.dtype, w2.dtype, w3.dtype)
+        w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
+        R = rows.num_rows
+        a_row, scale, origin = (peers.local(name)[:R] for name in ("a_row", "scale", "origin"))
+        h, a1, a3 = dispatch_gemm(
+            sends, peers, rows, x_TD, w1, w3, mode=SWIGLU_FWD, epoch=peers.next_epoch(), tiles=sched.up,
+            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins,
+            a_row=a_row, a_scale=scale, scale_rows=launch.score_before_experts,
+        )
+        # The owners' buffers serve the next layer too: keep this call's metadata and rows.
+        a_row, scale, origin = a_row.clone(), scale.clone(), origin.clone()
+        x_rows_RD = peers.local("land").index_select(0, a_row.long() + rows.landing_row)
+        out_TD = gemm_combine(
+            sends, peers, rows, h, None, w2, None, None if launch.score_before_experts else scores_TK,
+            mode=PLAIN, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
+            max_spins=sched.max_spins,
+        )
+        y_PD = None if launch.score_before_experts else _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
+        ctx.save_for_backward(x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD)
+        ctx.launch, ctx.dtypes = launch, dtypes
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD = ctx.saved_tensors
+        launch = ctx.launch
+        peers, sends, rows, sched = launch.peers, launch.sends, launch.rows, launch.schedule
+        before = launch.score_before_experts
+        K = scores_TK.shape[1]
+        E_local = w1.shape[0]
+        grad_out_TD = grad_out_TD.contiguous()
+        d_a1, d_a3 = dispatch_gemm(
+            sends, peers, rows, grad_out_TD, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
+            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins,
+            a_row=a_row, a_scale=scale,
+            scale_rows=not before, aux=(a1, a3),
+        )
+        # grad of the down projection's output rows, the bits the sequential path rounds
+        grad_y_RD = peers.local("land").index_select(0, a_row.long() + rows.landing_row)
+        if not before:
+            grad_y_RD = (grad_y_RD.float() * scale[:, None]).to(grad_y_RD.dtype)
+        grad_x = gemm_combine(
+            sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before else None,
+            mode=DUAL, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
+            max_spins=sched.max_spins,
+        )
+        if before:
+            d_rows_PD = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
+            _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
+        else:
+            _, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, scores_TK, K, write_rows=False)
+        dt1, dt2, dt3 = ctx.dtypes
+        grad_w2 = grouped_wgrad(grad_y_RD, h, rows.expert_offsets, E_local, tiles=sched.wgrad, out_dtype=dt2)
+        grad_w1, grad_w3 = grouped_wgrad(
+            d_a1, x_rows_RD, rows.expert_offsets, E_local, tiles=sched.wgrad_up, out_dtype=dt1,
+            b_scale=scale if before else None, a2=d_a3,
+        )
+        return grad_x, grad_scores, grad_w1, grad_w2, grad_w3.to(dt3), None
+
+
+def megakernel_experts(
+    x_TD: torch.Tensor,
+    scores_TK: torch.Tensor,
+    topk_per_sender: list[torch.Tensor],
+    count_table_WE: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    peers: PeerBuffers,
+    schedule: Schedule,
+    *,
+    score_before_experts: bool,
+) -> torch.Tensor:
+    """(T, D) routed-expert output of a launch's tokens (its senders' tokens
+    concatenated in rank order), differentiable in x, scores and the weights.
+
+    ``topk_per_sender``: each sender's (T_i, K) routing; ``count_table_WE`` (W, E): every
+    rank's pair counts per expert; w1, w3 (local_ranks * El, H, D) and w2
+    (local_ranks * El, D, H): the launch owners' experts.
+    """
+    W, E = count_table_WE.shape
+    if W != peers.world:
+        raise ValueError(f"megakernel: count table has {W} ranks, the buffers {peers.world}")
+    El = E // W
+    if w1.shape[0] != El * peers.local_ranks:
+        raise ValueError(
+            f"megakernel: w1 has {w1.shape[0]} experts; the launch's {peers.local_ranks} owner(s) hold "
+            f"{El * peers.local_ranks} of the {E} experts"
+        )
+    if schedule.up.block_m != schedule.gemm.block_m:
+        raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
+    K = scores_TK.shape[1]
+    tokens_per_rank = (count_table_WE.sum(1) // K).tolist()
+    peers.prepare(max(tokens_per_rank), K, count_table_WE.view(W, W, El).sum((0, 2)).tolist(),
+                  x_TD.shape[1], x_TD.dtype, x_TD.device)
+    scores_TK = scores_TK.float().contiguous()
+    scores_per_sender = torch.split(scores_TK, [t.shape[0] for t in topk_per_sender])
+    sends = build_sends(topk_per_sender, list(scores_per_sender), count_table_WE, peers.rank0, peers.tokens_cap)
+    rows = owner_rows(count_table_WE, peers.rank0, peers.local_ranks, schedule.gemm.block_m,
+                      peers.world * peers.tokens_cap)
+    launch = Launch(peers, sends, rows, schedule, score_before_experts)
+    return _MegakernelExperts.apply(x_TD.contiguous(), scores_TK, w1, w2, w3, launch)
