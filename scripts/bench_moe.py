@@ -1,13 +1,17 @@
 """UniEP layer vs TorchTitan 0.2.2's MoE, side by side in one process (one GPU).
 
     python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep]
+                                [--ep 2,4,8 --transport megakernel]
 
 For each shape: same weights and inputs for both layers; correctness first (relative
 error of output and input gradient against an fp32 computation of the same routing),
 then median forward and forward+backward times (CUDA events, after warm-up), routed-
 expert TFLOP/s, peak memory, and the TorchTitan/UniEP time ratio. The dense bf16
 matmul rate measured in the same run is printed for scale. ``--sweep`` also times a
-few GEMM tile settings of UniEP.
+few GEMM tile settings of UniEP. ``--ep`` adds the megakernel with that many virtual
+ranks on the one GPU (the whole W-rank protocol: pushes to peer buffers, flags, remote
+epilogues), checked bitwise against the one-rank UniEP layer first, with the bytes that
+would cross between ranks.
 """
 
 from __future__ import annotations
@@ -132,6 +136,48 @@ def profile_kernels(layer, x, grad) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
+def cross_rank_bytes(uniep, x, ranks: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes that cross between ranks when the batch is split over
+    ``ranks`` in rank order: a token goes once to each other rank owning one of its
+    experts (relay dedup); every expert output row of another rank comes back."""
+    with torch.no_grad():
+        _, topk = uniep.router(x.reshape(-1, x.shape[-1]), uniep.expert_bias)
+    T, K = topk.shape
+    src = torch.arange(T, device=topk.device) * ranks // T
+    owner = topk // (uniep.num_experts // ranks)
+    remote = owner != src[:, None]
+    owners_hit = torch.zeros(T, ranks, dtype=torch.bool, device=topk.device)
+    owners_hit[torch.arange(T, device=topk.device)[:, None].expand(T, K)[remote], owner[remote]] = True
+    row_bytes = x.shape[-1] * x.element_size()
+    return int(owners_hit.sum()) * row_bytes, int(remote.sum()) * row_bytes
+
+
+def megakernel_rows(uniep, x, grad, ref, flops, args) -> list[Row]:
+    from uniep import UniEPConfig
+
+    def fwd_bwd(layer):
+        xi = x.detach().clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(grad)
+        return out, xi.grad
+
+    one_rank = fwd_bwd(uniep)
+    rows = []
+    for ranks in args.ep:
+        variant = copy.copy(uniep)
+        variant.config = UniEPConfig(transport="megakernel", virtual_ranks=ranks)
+        same = [torch.equal(a, b) for a, b in zip(fwd_bwd(variant), one_rank)]
+        if not all(same):
+            raise SystemExit(f"megakernel with {ranks} virtual ranks differs from one rank (out, dx): {same}")
+        row = measure(f"uniep[megakernel {ranks} virtual ranks]", variant, x, grad, ref, flops, args.warmup, args.iters)
+        dispatch, combine = cross_rank_bytes(uniep, x, ranks)
+        print(f"  megakernel {ranks} virtual ranks: bitwise equal to one rank; cross-rank bytes per forward: "
+              f"dispatch {dispatch / 2**20:.0f} MiB, combine {combine / 2**20:.0f} MiB; "
+              f"{(dispatch + combine) / row.fwd_ms / 1e6:.0f} GB/s over the forward", flush=True)
+        rows.append(row)
+    return rows
+
+
 def run_shape(shape, args) -> list[Row]:
     titan, uniep, T, D, H, E, K = build_layers(shape)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -141,6 +187,8 @@ def run_shape(shape, args) -> list[Row]:
     flops = 3 * 3 * 2 * T * K * D * H  # routed-expert GEMMs: 3 forward, 6 backward
     rows = [measure("torchtitan", titan, x, grad, ref, flops, args.warmup, args.iters)]
     rows.append(measure("uniep", uniep, x, grad, ref, flops, args.warmup, args.iters))
+    if args.ep:
+        rows += megakernel_rows(uniep, x, grad, ref, flops, args)
     if args.sweep:
         from uniep import UniEPConfig
 
@@ -170,8 +218,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time a few tile settings")
     parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")
+    parser.add_argument("--ep", default="", help="expert-parallel degrees to add, e.g. 2,4,8 (virtual ranks)")
+    parser.add_argument("--transport", default="megakernel", choices=["megakernel"],
+                        help="transport of the --ep rows (one process: the megakernel on virtual ranks)")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
+    args.ep = [int(w) for w in args.ep.split(",") if w]
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
     shapes = args.shapes.split(",")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 Backend = Literal["auto", "torch", "triton"]
-Transport = Literal["all_to_all"]
+Transport = Literal["all_to_all", "megakernel"]
 Mode = Literal["explicit", "auto"]
 
 
@@ -41,8 +41,10 @@ class UniEPConfig:
 
     transport: Transport = "all_to_all"
     """How rows move between expert-parallel ranks. ``all_to_all``: torch.distributed
-    all-to-all of rows in plan order (NCCL on GPU, gloo on CPU). Ignored when the
-    expert-parallel degree is 1."""
+    all-to-all of rows in plan order (NCCL on GPU, gloo on CPU), experts on the chosen
+    backend. ``megakernel``: dispatch, expert MLP and combine in two fused Triton
+    launches over symmetric-memory peer buffers (CUDA GPUs of one node). Both give the
+    same bits. Ignored when the expert-parallel degree is 1 (unless ``virtual_ranks``)."""
 
     gemm_block_m: int = 128
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
@@ -76,6 +78,19 @@ class UniEPConfig:
     wgrad_num_stages: int = 3
     """Weight-gradient pipelining depth (1..8). Does not change bits."""
 
+    megakernel_sends_per_task: int = 16
+    """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""
+    megakernel_tokens_per_task: int = 16
+    """Megakernel: tokens per combine task (1..256, power of 2). Does not change bits."""
+    megakernel_max_spins: int = 1 << 24
+    """Megakernel: polls of a ready flag before the wait gives up and the layer raises
+    an error naming the rank, stage and flag (a peer that never signals; about 10 s
+    on an H200). At least 1."""
+    virtual_ranks: int = 1
+    """Megakernel with expert-parallel degree 1: run the W-rank protocol with this many
+    virtual ranks on one device (the batch split in rank order); for testing and
+    benchmarks. Same bits as 1. 1..64."""
+
     num_programs: int = 0
     """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
     Does not change bits."""
@@ -94,6 +109,18 @@ class UniEPConfig:
         for name in ("gemm_num_stages", "wgrad_num_stages"):
             if not 1 <= getattr(self, name) <= 8:
                 raise UniEPConfigError(f"{name} = {getattr(self, name)} is not allowed; allowed values: 1..8")
+        for name in ("megakernel_sends_per_task", "megakernel_tokens_per_task"):
+            value = getattr(self, name)
+            if value < 1 or value > 256 or value & (value - 1):
+                raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: powers of 2 in 1..256")
+        if self.megakernel_max_spins < 1:
+            raise UniEPConfigError(f"megakernel_max_spins = {self.megakernel_max_spins} must be >= 1")
+        if not 1 <= self.virtual_ranks <= 64:
+            raise UniEPConfigError(f"virtual_ranks = {self.virtual_ranks} is not allowed; allowed values: 1..64")
+        if self.virtual_ranks > 1 and self.transport != "megakernel":
+            raise UniEPConfigError(
+                f"virtual_ranks = {self.virtual_ranks} needs transport = 'megakernel' (got {self.transport!r})"
+            )
         if self.num_programs < 0:
             raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 
@@ -119,7 +146,16 @@ class UniEPConfig:
 
     def resolved_backend(self, device_type: str, ep_size: int) -> str:
         """The compute path used on ``device_type`` ("cpu", "cuda", ...) at an
-        expert-parallel degree of ``ep_size``."""
+        expert-parallel degree of ``ep_size``: "torch", "triton" or "megakernel"."""
+        if self.transport == "megakernel" and (ep_size > 1 or self.virtual_ranks > 1) and self.backend != "torch":
+            # virtual ranks also run under the Triton interpreter; real peers need CUDA
+            interpreted = ep_size == 1 and os.environ.get("TRITON_INTERPRET") == "1"
+            if device_type != "cuda" and not interpreted:
+                raise UniEPConfigError(
+                    f"transport = 'megakernel' runs on CUDA GPUs of one node; got device {device_type!r} "
+                    "(use transport = 'all_to_all', or backend = 'torch')"
+                )
+            return "megakernel"
         if self.backend == "auto":
             return "triton" if device_type == "cuda" and ep_size == 1 else "torch"
         # the Triton interpreter runs the kernels on the CPU (tests)

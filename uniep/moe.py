@@ -200,7 +200,10 @@ class UniEPMoE(nn.Module):
 
         transport = build_transport(self.config.transport, self.ep_group)
         config = self._schedule(x_TD.shape[0], x.device, transport.ep_size)
-        if config.resolved_backend(x.device.type, transport.ep_size) == "triton":
+        backend = config.resolved_backend(x.device.type, transport.ep_size)
+        if backend == "megakernel":
+            out_TD = self._experts_megakernel(x_TD, top_scores_TK, topk_idx_TK, counts_E, config, transport)
+        elif backend == "triton":
             out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config)
         else:
             out_TD = self._experts_torch(x_TD, top_scores_TK, topk_idx_TK, counts_E, transport)
@@ -254,20 +257,35 @@ class UniEPMoE(nn.Module):
     def _experts_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig) -> torch.Tensor:
         """(T, D) routed-expert output on the fused Triton kernels (one rank)."""
         from uniep.kernels.fused_experts import fused_experts
-        from uniep.kernels.grouped_gemm import GemmTiles
 
-        programs = c.num_programs or None
         # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
         send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
-        gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs)
-        wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs)
+        gemm, up, wgrad, wgrad_up = _tiles(c)
         return fused_experts(
             x_TD, top_scores_TK, send_order, counts_E, *self.experts.local_weights(),
             score_before_experts=self.score_before_experts,
-            tiles=gemm,
-            up_tiles=dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
-            wgrad_tiles=wgrad,
-            wgrad_up_tiles=dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n),
+            tiles=gemm, up_tiles=up, wgrad_tiles=wgrad, wgrad_up_tiles=wgrad_up,
+        )
+
+    def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
+        """(T, D) routed-expert output on the two megakernels: over the real EP group,
+        or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
+        from uniep.transport.megakernel import Schedule, megakernel_experts, virtual_peers
+
+        if transport.ep_size > 1:
+            peers, routings = transport.peers, [topk_idx_TK]
+            count_table = transport.gather_counts(counts_E)
+        else:
+            peers = virtual_peers(c.virtual_ranks, x_TD.device)
+            W, T = c.virtual_ranks, topk_idx_TK.shape[0]
+            routings = list(topk_idx_TK.split([T // W + (r < T % W) for r in range(W)]))
+            count_table = torch.stack([local_counts(r, self.num_experts) for r in routings])
+        gemm, up, wgrad, wgrad_up = _tiles(c)
+        schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
+                            c.megakernel_tokens_per_task, c.megakernel_max_spins)
+        return megakernel_experts(
+            x_TD, top_scores_TK, routings, count_table, *self.experts.local_weights(), peers, schedule,
+            score_before_experts=self.score_before_experts,
         )
 
     def extra_repr(self) -> str:
@@ -276,3 +294,14 @@ class UniEPMoE(nn.Module):
             f"score_before_experts={self.score_before_experts}, config={self.config}"
         )
 
+
+
+def _tiles(c: UniEPConfig):
+    """(gemm, up, wgrad, wgrad_up) tile settings of a config."""
+    from uniep.kernels.grouped_gemm import GemmTiles
+
+    programs = c.num_programs or None
+    gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs)
+    wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs)
+    return (gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
+            wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))

@@ -16,7 +16,22 @@ import torch.distributed as dist
 from uniep.transport.all_to_all import AllToAllTransport
 from uniep.transport.local import LocalTransport
 
-__all__ = ["AllToAllTransport", "LocalTransport", "build_transport"]
+__all__ = ["AllToAllTransport", "LocalTransport", "MegakernelTransport", "build_transport"]
+
+# One set of peer buffers per process group, shared by every layer (the layers run one
+# after another, and each launch has its own epoch).
+_MEGAKERNEL_TRANSPORTS: dict = {}
+
+
+class MegakernelTransport(AllToAllTransport):
+    """Counts are all-gathered like ``all_to_all``'s (and its dispatch/combine serve the
+    PyTorch backend); the fused path reaches the peers through ``peers``."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        from uniep.transport.megakernel import PeerBuffers
+
+        super().__init__(group)
+        self.peers = PeerBuffers.symmetric(group)
 
 
 def build_transport(name: str, group: dist.ProcessGroup | None):
@@ -25,4 +40,8 @@ def build_transport(name: str, group: dist.ProcessGroup | None):
         return LocalTransport()
     if name == "all_to_all":
         return AllToAllTransport(group)
-    raise ValueError(f"transport = {name!r}; allowed values: 'all_to_all'")
+    if name == "megakernel":
+        if group not in _MEGAKERNEL_TRANSPORTS:
+            _MEGAKERNEL_TRANSPORTS[group] = MegakernelTransport(group)
+        return _MEGAKERNEL_TRANSPORTS[group]
+    raise ValueError(f"transport = {name!r}; allowed values: 'all_to_all', 'megakernel'")

@@ -153,6 +153,17 @@ class PeerBuffers:
         handle.barrier()
 
 
+_VIRTUAL_PEERS: dict[tuple[int, torch.device], PeerBuffers] = {}
+
+
+def virtual_peers(world: int, device: torch.device) -> PeerBuffers:
+    """The process's buffers for ``world`` virtual ranks on ``device`` (shared by every layer)."""
+    key = (world, torch.device(device))
+    if key not in _VIRTUAL_PEERS:
+        _VIRTUAL_PEERS[key] = PeerBuffers.virtual(world)
+    return _VIRTUAL_PEERS[key]
+
+
 @dataclass
 class Sends:
     """The sends of a launch's senders, in push order (owner's lowest expert first).
@@ -387,6 +398,8 @@ def megakernel_experts(
     W, E = count_table_WE.shape
     if W != peers.world:
         raise ValueError(f"megakernel: count table has {W} ranks, the buffers {peers.world}")
+    if E % W:
+        raise ValueError(f"megakernel: num_experts = {E} is not divisible by the expert-parallel degree {W}")
     El = E // W
     if w1.shape[0] != El * peers.local_ranks:
         raise ValueError(
