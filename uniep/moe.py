@@ -272,19 +272,24 @@ class UniEPMoE(nn.Module):
         or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
         from uniep.transport.megakernel import Schedule, megakernel_experts, virtual_peers
 
+        T = topk_idx_TK.shape[0]
         if transport.ep_size > 1:
-            peers, routings = transport.peers, [topk_idx_TK]
+            peers, tokens_per_sender = transport.peers, [T]
             count_table = transport.gather_counts(counts_E)
         else:
-            peers = virtual_peers(c.virtual_ranks, x_TD.device)
-            W, T = c.virtual_ranks, topk_idx_TK.shape[0]
-            routings = list(topk_idx_TK.split([T // W + (r < T % W) for r in range(W)]))
-            count_table = torch.stack([local_counts(r, self.num_experts) for r in routings])
+            W = c.virtual_ranks
+            peers, tokens_per_sender = virtual_peers(W, x_TD.device), [T // W + (r < T % W) for r in range(W)]
+            sender = torch.repeat_interleave(
+                torch.arange(W, device=x_TD.device), torch.tensor(tokens_per_sender, device=x_TD.device), output_size=T
+            )
+            pair_keys = (sender[:, None] * self.num_experts + topk_idx_TK).reshape(-1)
+            count_table = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)
         gemm, up, wgrad, wgrad_up = _tiles(c)
         schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
                             c.megakernel_tokens_per_task, c.megakernel_max_spins)
         return megakernel_experts(
-            x_TD, top_scores_TK, routings, count_table, *self.experts.local_weights(), peers, schedule,
+            x_TD, top_scores_TK, topk_idx_TK, tokens_per_sender, count_table, *self.experts.local_weights(),
+            peers, schedule,
             score_before_experts=self.score_before_experts,
         )
 

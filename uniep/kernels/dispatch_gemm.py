@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.flags import _STAGE_DISPATCH, publish_flags, raise_on_error, wait_flags
+from uniep.kernels.flags import _STAGE_DISPATCH, publish_flags, wait_flags
 from uniep.kernels.grouped_gemm import (
     SWIGLU_BWD,
     SWIGLU_FWD,
@@ -55,7 +55,7 @@ def _push_rows(
     land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
     n_sends, D, T_cap, P_cap, rank0, epoch,
     K: tl.constexpr, KP: tl.constexpr, PUSH_META: tl.constexpr,
-    SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """Push sends ``[chunk * SENDS_PER_TASK, ...)``: token rows, row metadata, row flags."""
     idx = chunk * SENDS_PER_TASK + tl.arange(0, SENDS_PER_TASK)
@@ -87,7 +87,7 @@ def _push_rows(
         scale_base = tl.load(scale_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.float32))
         tl.store(scale_base[:, None] + rows, scale, mask=mask_r)
     flag_base = tl.load(flag_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
-    publish_flags(flag_base[:, None] + rows, mask_r, epoch, False)
+    publish_flags(flag_base[:, None] + rows, mask_r, epoch, False, SCOPE)
 
 
 @triton.jit
@@ -108,6 +108,7 @@ def _dispatch_gemm_kernel(
     MODE: tl.constexpr, PUSH_META: tl.constexpr, HAS_SCALE: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     total = n_push + tl.load(tile_offsets_ptr + num_experts) * n_tiles
@@ -119,7 +120,7 @@ def _dispatch_gemm_kernel(
                 send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
                 land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
                 n_sends, D, T_cap, P_cap, rank0, epoch,
-                K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D,
+                K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D, SCOPE,
             )
         else:
             e, rows, mask_m, cols, mask_n = _tile_coords(
@@ -127,7 +128,7 @@ def _dispatch_gemm_kernel(
                 LOG2_E, BLOCK_M, BLOCK_N,
             )
             owner = e // experts_per_rank
-            wait_flags(row_flag_ptr, rows, mask_m, epoch, max_spins, error_ptr, rank0 + owner, _STAGE_DISPATCH)
+            wait_flags(row_flag_ptr, rows, mask_m, epoch, max_spins, error_ptr, rank0 + owner, _STAGE_DISPATCH, SCOPE)
             a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64) + owner.to(tl.int64) * land_rows_per_rank
             scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_SCALE, other=0.0)
             acc, acc3 = _tile_accumulate(
@@ -152,6 +153,8 @@ def dispatch_gemm(
     tiles: GemmTiles,
     sends_per_task: int,
     max_spins: int,
+    counter: torch.Tensor,
+    error: torch.Tensor,
     a_row: torch.Tensor,
     a_scale: torch.Tensor,
     scale_rows: bool,
@@ -169,6 +172,8 @@ def dispatch_gemm(
     (R, H). Backward (SWIGLU_BWD, ``w_E`` = w2, ``aux`` = (a1, a3)): pushes rows only,
     reads the saved ``a_row`` / ``a_scale`` and returns (d_a1, d_a3) (R, H).
     ``scale_rows``: multiply each gathered row by its score before the dot.
+    ``counter`` (1,) int32 zero: the task counter; ``error`` (4,) int32: the error word
+    (``uniep.kernels.flags``), read by the caller.
     """
     transpose = mode == SWIGLU_FWD
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
@@ -180,8 +185,6 @@ def dispatch_gemm(
     n_push = triton.cdiv(sends.num_sends, sends_per_task)
     upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles)
-    counter = torch.zeros(1, dtype=torch.int32, device=x_TD.device)
-    error = torch.zeros(4, dtype=torch.int32, device=x_TD.device)
     D = x_TD.shape[1]
     K = sends.rows.shape[1]
     push_meta = mode == SWIGLU_FWD
@@ -203,9 +206,9 @@ def dispatch_gemm(
         BLOCK_D=min(256, triton.next_power_of_2(D)),
         LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SCOPE=peers.flag_scope,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    raise_on_error(error, "dispatch_gemm")
     if mode == SWIGLU_FWD:
         return c, aux[0], aux[1]
     return c, c2

@@ -9,6 +9,9 @@ flag in the launch's error word and goes on (with garbage); the launcher reads t
 after the launch and raises :class:`MegakernelWaitError` naming the rank, the stage and
 the flag. A peer that never signals therefore gives an error, never a hang.
 
+``SCOPE`` is "sys" when peers are other GPUs, "gpu" when every rank is on this device
+(virtual ranks): a narrower release is cheaper.
+
 Error word (int32[4]): ``[1 if set, rank, stage, flag index]``.
 """
 
@@ -32,14 +35,15 @@ class MegakernelWaitError(RuntimeError):
 
 
 @triton.jit
-def wait_flags(flag_base, index, mask, target, max_spins, error_ptr, rank, stage):
-    """Spin until every masked ``flag_base[index] >= target`` (acquire), at most ``max_spins`` polls."""
+def wait_flags(flag_base, index, mask, target, max_spins, error_ptr, rank, stage, SCOPE: tl.constexpr):
+    """Spin until every masked ``flag_base[index] >= target`` (acquire at ``SCOPE``), at
+    most ``max_spins`` polls."""
     flag_ptrs = flag_base + index
-    ready = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    ready = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
     missing = mask & (ready < target)
     spins = 0
     while (tl.sum(missing.to(tl.int32)) > 0) & (spins < max_spins):
-        ready = tl.atomic_add(flag_ptrs, 0, mask=missing, sem="acquire", scope="sys")
+        ready = tl.atomic_add(flag_ptrs, 0, mask=missing, sem="acquire", scope=SCOPE)
         missing = missing & (ready < target)
         spins += 1
     if tl.sum(missing.to(tl.int32)) > 0:
@@ -53,13 +57,14 @@ def wait_flags(flag_base, index, mask, target, max_spins, error_ptr, rank, stage
 
 
 @triton.jit
-def publish_flags(flag_ptrs, mask, value, ADD: tl.constexpr):
-    """Publish after a barrier: ``*flag_ptrs = value`` (or ``+= value`` with ADD), release."""
+def publish_flags(flag_ptrs, mask, value, ADD: tl.constexpr, SCOPE: tl.constexpr):
+    """Publish after a barrier: ``*flag_ptrs = value`` (or ``+= value`` with ADD),
+    release at ``SCOPE``."""
     tl.debug_barrier()
     if ADD:
-        tl.atomic_add(flag_ptrs, value, mask=mask, sem="release", scope="sys")
+        tl.atomic_add(flag_ptrs, value, mask=mask, sem="release", scope=SCOPE)
     else:
-        tl.atomic_xchg(flag_ptrs, value, mask=mask, sem="release", scope="sys")
+        tl.atomic_xchg(flag_ptrs, value, mask=mask, sem="release", scope=SCOPE)
 
 
 def new_error_word(device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.flags import _STAGE_COMBINE, publish_flags, raise_on_error, wait_flags
+from uniep.kernels.flags import _STAGE_COMBINE, publish_flags, wait_flags
 from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, _tile_accumulate, _tile_coords, _weight_view
 
 
@@ -34,6 +34,7 @@ def _combine_tokens(
     task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
     N, P_cap, rank0, n_col_tiles, max_spins, error_ptr,
     K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     src = tl.load(combine_src_ptr + task)
     local = src - rank0
@@ -43,7 +44,7 @@ def _combine_tokens(
     pairs = tokens[:, None] * K + kk[None, :]
     mask_p = mask_t[:, None] & (kk < K)[None, :]
     flags = ret_flag_ptr + local.to(tl.int64) * P_cap
-    wait_flags(flags, pairs, mask_p, n_col_tiles, max_spins, error_ptr, src, _STAGE_COMBINE)
+    wait_flags(flags, pairs, mask_p, n_col_tiles, max_spins, error_ptr, src, _STAGE_COMBINE, SCOPE)
     rows = ret_ptr + local.to(tl.int64) * P_cap * N
     out_rows = (tl.load(tok_base_ptr + local) + tokens).to(tl.int64)
     for d0 in range(0, N, BLOCK_D):
@@ -58,7 +59,7 @@ def _combine_tokens(
             acc += term
         tl.store(out_ptr + out_rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     # Reads done (barrier inside): the pairs are free for the next call.
-    publish_flags(flags + pairs, mask_p, 0, False)
+    publish_flags(flags + pairs, mask_p, 0, False, SCOPE)
 
 
 @triton.jit
@@ -74,6 +75,7 @@ def _gemm_combine_kernel(
     MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
     TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     gemm_tasks = tl.load(tile_offsets_ptr + num_experts) * n_tiles
@@ -94,13 +96,13 @@ def _gemm_combine_kernel(
             tl.store(ret_rows[:, None] + pair[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mask_m[:, None] & mask_n[None, :])
             flag_base = tl.load(ret_flag_table_ptr + src, mask=mask_m, other=0).to(tl.pointer_type(tl.int32))
-            publish_flags(flag_base + pair, mask_m, 1, True)
+            publish_flags(flag_base + pair, mask_m, 1, True, SCOPE)
         else:
             _combine_tokens(
                 task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr,
                 combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
                 N, P_cap, rank0, n_tiles, max_spins, error_ptr,
-                K, KP, HAS_W, TOKENS_PER_TASK, BLOCK_D,
+                K, KP, HAS_W, TOKENS_PER_TASK, BLOCK_D, SCOPE,
             )
         task = tl.atomic_add(counter_ptr, 1)
 
@@ -120,6 +122,8 @@ def gemm_combine(
     tiles: GemmTiles,
     tokens_per_task: int,
     max_spins: int,
+    counter: torch.Tensor,
+    error: torch.Tensor,
 ) -> torch.Tensor:
     """Launch megakernel 2 for one EP launch; returns (T, N): this launch's tokens, each
     the fixed-order sum over k of ``weights[t, k]`` (or 1) times its pair's row.
@@ -128,6 +132,8 @@ def gemm_combine(
     ``a2`` = d a1, d a3 (R, H), ``w_E``, ``w2_E`` = w1, w3. ``origin`` (R,) int32 is each
     row's ``src * P_cap + t*K + k``. The pair rows themselves stay readable in the
     senders' return buffers (``peers.local("ret")``) until the next launch.
+    ``counter`` (1,) int32 zero: the task counter; ``error`` (4,) int32: the error word
+    (``uniep.kernels.flags``), read by the caller.
     """
     transpose = w2_E is None
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
@@ -138,8 +144,6 @@ def gemm_combine(
     combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
     upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles + combine_src.numel())
-    counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-    error = torch.zeros(4, dtype=torch.int32, device=a.device)
     _gemm_combine_kernel[(programs,)](
         counter, error,
         a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,
@@ -153,7 +157,7 @@ def gemm_combine(
         TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
         LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SCOPE=peers.flag_scope,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    raise_on_error(error, "gemm_combine")
     return out

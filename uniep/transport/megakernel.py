@@ -31,11 +31,11 @@ import torch.distributed as dist
 import triton
 
 from uniep.kernels.dispatch_gemm import dispatch_gemm
+from uniep.kernels.flags import raise_on_error
 from uniep.kernels.gemm_combine import gemm_combine
 from uniep.kernels.grouped_gemm import DUAL, PLAIN, SWIGLU_BWD, SWIGLU_FWD, GemmTiles, tile_offsets
 from uniep.kernels.combine import topk_combine_bwd
 from uniep.kernels.wgrad import grouped_wgrad
-from uniep.plan import build_plan
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,11 @@ class PeerBuffers:
         """This rank of ``group``; the peers' buffers through symmetric memory."""
         return cls(dist.get_world_size(group), dist.get_rank(group), 1, group)
 
+    @property
+    def flag_scope(self) -> str:
+        """Memory scope of the ready flags: peers on other GPUs need "sys"."""
+        return "gpu" if self.group is None else "sys"
+
     def local(self, name: str) -> torch.Tensor:
         """This launch's view of a region: its ranks' regions, contiguous."""
         return self._local[name]
@@ -110,10 +115,12 @@ class PeerBuffers:
             self._allocate(device)
         if self.group is None:
             # Virtual owners share one row space: owner d's rows start at row_base[d].
-            row_base = torch.tensor([0] + rows_per_owner[:-1], dtype=torch.int64).cumsum(0)
-            for name in _ROW_REGIONS:
-                t = self._local[name]
-                self.tables[name] = (t.data_ptr() + row_base * t.element_size()).to(device)
+            row_base = [sum(rows_per_owner[:d]) for d in range(self.world)]
+            tables = torch.tensor(
+                [[self._local[name].data_ptr() + b * self._local[name].element_size() for b in row_base]
+                 for name in _ROW_REGIONS], dtype=torch.int64,
+            ).to(device)
+            self.tables.update(zip(_ROW_REGIONS, tables))
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         W, D = self.world, self.dim
@@ -168,10 +175,11 @@ def virtual_peers(world: int, device: torch.device) -> PeerBuffers:
 class Sends:
     """The sends of a launch's senders, in push order (owner's lowest expert first).
 
-    ``src``, ``token``, ``dest`` (S,) int32: a token of rank ``src`` going to rank ``dest``
-    once; ``rows``, ``pairs`` (S, K) int32: its rows on ``dest`` and their pair ids
-    ``t*K + k`` (-1 padded); ``scale`` (S, K) fp32: the rows' scores. ``token_base`` and
-    ``token_count`` (local_ranks,) int32: each sender's tokens in the launch's x."""
+    ``src``, ``token``, ``dest`` (S,) int32: token ``token`` of rank ``src`` goes to rank
+    ``dest`` once; ``rows``, ``pairs`` (S, K) int32: its rows on ``dest`` and their pair
+    ids ``t*K + k`` (-1 where pair k goes elsewhere); ``scale`` (S, K) fp32: the rows'
+    scores. ``token_base`` and ``token_count`` (local_ranks,) int32: each sender's tokens
+    in the launch's x."""
 
     src: torch.Tensor
     token: torch.Tensor
@@ -194,67 +202,71 @@ class Sends:
 
     def combine_tasks(self, tokens_per_task: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sender rank, first token) of every combine task, (n,) int32 each."""
-        src, first = [], []
-        for i, tokens in enumerate(self.tokens_per_sender):
-            starts = list(range(0, tokens, tokens_per_task))
-            src += [self.rank0 + i] * len(starts)
-            first += starts
+        tasks = [-(-t // tokens_per_task) for t in self.tokens_per_sender]
         device = self.src.device
-        return (torch.tensor(src, dtype=torch.int32, device=device),
-                torch.tensor(first, dtype=torch.int32, device=device))
+        first_task = torch.tensor([sum(tasks[:i]) for i in range(len(tasks))], device=device)
+        sender = torch.repeat_interleave(torch.arange(len(tasks), device=device), torch.tensor(tasks, device=device),
+                                         output_size=sum(tasks))
+        first_token = (torch.arange(sum(tasks), device=device) - first_task[sender]) * tokens_per_task
+        return (sender + self.rank0).to(torch.int32), first_token.to(torch.int32)
 
 
-def _sends_of_rank(topk_TK, scores_TK, dest_row_P, rank, world, experts_per_rank, tokens_cap):
-    """(sort key, src, token, dest, rows, pairs, scale) of one sender's sends."""
-    T, K = topk_TK.shape
-    device = topk_TK.device
-    dest_TK = topk_TK // experts_per_rank
-    group_key = (torch.arange(T, device=device)[:, None] * world + dest_TK).reshape(-1)
-    order = torch.argsort(group_key, stable=True)  # pairs of one send together, k ascending
-    keys, send_of_pair_sorted, counts = torch.unique_consecutive(group_key[order], return_inverse=True, return_counts=True)
-    S = keys.numel()
-    slot_in_send = torch.arange(order.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[send_of_pair_sorted]
-    rows = torch.full((S, K), -1, dtype=torch.int32, device=device)
-    pairs = torch.full((S, K), -1, dtype=torch.int32, device=device)
-    scale = torch.zeros((S, K), dtype=torch.float32, device=device)
-    rows[send_of_pair_sorted, slot_in_send] = dest_row_P[order].to(torch.int32)
-    pairs[send_of_pair_sorted, slot_in_send] = order.to(torch.int32)
-    scale[send_of_pair_sorted, slot_in_send] = scores_TK.reshape(-1)[order].float()
-    token, dest = keys // world, keys % world
-    lowest_expert = torch.full((S,), experts_per_rank, dtype=torch.int64, device=device)
-    lowest_expert.scatter_reduce_(0, send_of_pair_sorted, (topk_TK.reshape(-1) % experts_per_rank)[order], "amin")
-    # Priority: the owner's lowest expert first; owners visited starting after the
-    # sender (spreads the first pushes over the owners); then sender, then token.
-    key = ((lowest_expert * world + (dest - rank) % world) * world + rank) * tokens_cap + token
-    src = torch.full((S,), rank, dtype=torch.int32, device=device)
-    return key, src, token.to(torch.int32), dest.to(torch.int32), rows, pairs, scale
+def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
 
 
 def build_sends(
-    topk_per_sender: list[torch.Tensor],
-    scores_per_sender: list[torch.Tensor],
+    topk_TK: torch.Tensor,
+    scores_TK: torch.Tensor,
+    tokens_per_sender: list[int],
     count_table_WE: torch.Tensor,
     rank0: int,
     tokens_cap: int,
 ) -> Sends:
-    """The sends of senders ``rank0, rank0 + 1, ...`` (one (T_i, K) routing each), rows
-    placed by Algorithm 1 over the all-gathered ``count_table_WE``."""
+    """The sends of senders ``rank0, rank0 + 1, ...`` whose routings are concatenated in
+    ``topk_TK`` (T, K) (``tokens_per_sender`` rows each), rows placed by Algorithm 1 over
+    the all-gathered ``count_table_WE`` (W, E)."""
+    T, K = topk_TK.shape
     W, E = count_table_WE.shape
-    parts = []
-    for i, (topk_TK, scores_TK) in enumerate(zip(topk_per_sender, scores_per_sender)):
-        plan = build_plan(topk_TK, E, count_table_WE, rank0 + i)
-        dest_row_P = plan.dest_rows[plan.send_order_inverse]
-        parts.append(_sends_of_rank(topk_TK, scores_TK, dest_row_P, rank0 + i, W, E // W, tokens_cap))
-    key, src, token, dest, rows, pairs, scale = (torch.cat(column) for column in zip(*parts))
-    order = torch.argsort(key)
-    tokens = [t.shape[0] for t in topk_per_sender]
-    device = key.device
+    El = E // W
+    device = topk_TK.device
+    counts = torch.tensor(tokens_per_sender, device=device)
+    token_base = _exclusive_cumsum(counts)
+    sender_T = torch.repeat_interleave(torch.arange(len(tokens_per_sender), device=device), counts, output_size=T)
+    token_T = torch.arange(T, device=device) - token_base[sender_T]
+
+    # Algorithm 1 for all the launch's pairs at once: the senders are consecutive ranks,
+    # so a stable sort by expert orders each expert's pairs by (sender, token, k).
+    table = count_table_WE.to(device=device, dtype=torch.int64)
+    flat = topk_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    launch_counts_E = torch.bincount(flat, minlength=E)
+    place_in_expert = torch.empty_like(order)
+    place_in_expert[order] = torch.arange(flat.numel(), device=device) - _exclusive_cumsum(launch_counts_E)[flat[order]]
+    base_E = _exclusive_cumsum(table.sum(0).view(W, El), 1).reshape(-1)
+    lower_senders_E = table[:rank0].sum(0)
+    dest_row_TK = (base_E[flat] + lower_senders_E[flat] + place_in_expert).view(T, K)
+
+    # One send per (token, owner): the token's first pair for that owner carries all of them.
+    dest_TK = topk_TK // El
+    same_owner = dest_TK[:, :, None] == dest_TK[:, None, :]  # (T, K, K): pairs k and j share an owner
+    earlier = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
+    first = ~(same_owner & earlier).any(-1)
+    t_idx, k_idx = first.nonzero(as_tuple=True)
+    members = same_owner[t_idx, k_idx]  # (S, K)
+    rows = torch.where(members, dest_row_TK[t_idx], -1)
+    pairs = torch.where(members, token_T[t_idx, None] * K + torch.arange(K, device=device), -1)
+    scale = torch.where(members, scores_TK[t_idx].float(), 0.0)
+    lowest_expert = torch.where(members, (topk_TK % El)[t_idx], El).amin(1)
+    src, token, dest = sender_T[t_idx] + rank0, token_T[t_idx], dest_TK[t_idx, k_idx]
+    # Priority: the owner's lowest expert first; owners visited starting after the
+    # sender (spreads the first pushes over the owners); then sender, then token.
+    key = ((lowest_expert * W + (dest - src) % W) * W + src) * tokens_cap + token
+    push = torch.argsort(key)
+    src, token, dest, rows, pairs = (t[push].to(torch.int32).contiguous() for t in (src, token, dest, rows, pairs))
     return Sends(
-        src=src[order], token=token[order], dest=dest[order],
-        rows=rows[order].contiguous(), pairs=pairs[order].contiguous(), scale=scale[order].contiguous(),
-        token_base=torch.tensor([sum(tokens[:i]) for i in range(len(tokens))], dtype=torch.int32, device=device),
-        token_count=torch.tensor(tokens, dtype=torch.int32, device=device),
-        tokens_per_sender=tokens, rank0=rank0,
+        src=src, token=token, dest=dest, rows=rows, pairs=pairs, scale=scale[push].contiguous(), token_base=token_base.to(torch.int32), token_count=counts.to(torch.int32),
+        tokens_per_sender=list(tokens_per_sender), rank0=rank0,
     )
 
 
@@ -278,19 +290,19 @@ class OwnerRows:
         return sum(self.rows_per_owner)
 
 
-def owner_rows(count_table_WE: torch.Tensor, rank0: int, local_ranks: int, block_m: int, landing_rows: int) -> OwnerRows:
+def owner_rows(count_table_WE: torch.Tensor, rows_per_owner: list[int], rank0: int, local_ranks: int,
+               block_m: int, landing_rows: int) -> OwnerRows:
+    """The launch owners' row schedule; ``landing_rows``: rows of one owner's landing buffer."""
     W, E = count_table_WE.shape
     El = E // W
-    per_expert = count_table_WE.sum(0)
-    mine = per_expert[rank0 * El : (rank0 + local_ranks) * El]
-    per_owner = per_expert.view(W, El).sum(1).tolist()
+    mine = count_table_WE.sum(0)[rank0 * El : (rank0 + local_ranks) * El]
     expert_offsets, tiles = tile_offsets(mine, block_m)
-    local = per_owner[rank0 : rank0 + local_ranks]
+    local = rows_per_owner[rank0 : rank0 + local_ranks]
     landing_row = torch.repeat_interleave(
         torch.arange(local_ranks, device=mine.device) * landing_rows,
         torch.tensor(local, device=mine.device), output_size=sum(local),
     )
-    return OwnerRows(mine, expert_offsets, tiles, per_owner, landing_row, El)
+    return OwnerRows(mine, expert_offsets, tiles, rows_per_owner, landing_row, El)
 
 
 @dataclass
@@ -310,6 +322,12 @@ def _senders_rows(region: torch.Tensor, sends: Sends, pairs_cap: int, top_k: int
     return torch.cat([per_sender[i, : t * top_k] for i, t in enumerate(sends.tokens_per_sender)])
 
 
+def _launch_state(device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Zeroed task counters of the two launches of a call and their shared error word."""
+    state = torch.zeros(6, dtype=torch.int32, device=device)
+    return (state[0:1], state[1:2]), state[2:]
+
+
 class _MegakernelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, launch: Launch):
@@ -319,9 +337,10 @@ class _MegakernelExperts(torch.autograd.Function):
         w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
         R = rows.num_rows
         a_row, scale, origin = (peers.local(name)[:R] for name in ("a_row", "scale", "origin"))
+        counters, error = _launch_state(x_TD.device)
         h, a1, a3 = dispatch_gemm(
             sends, peers, rows, x_TD, w1, w3, mode=SWIGLU_FWD, epoch=peers.next_epoch(), tiles=sched.up,
-            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins,
+            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
             a_row=a_row, a_scale=scale, scale_rows=launch.score_before_experts,
         )
         # The owners' buffers serve the next layer too: keep this call's metadata and rows.
@@ -330,8 +349,9 @@ class _MegakernelExperts(torch.autograd.Function):
         out_TD = gemm_combine(
             sends, peers, rows, h, None, w2, None, None if launch.score_before_experts else scores_TK,
             mode=PLAIN, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
-            max_spins=sched.max_spins,
+            max_spins=sched.max_spins, counter=counters[1], error=error,
         )
+        raise_on_error(error, "megakernel forward")
         y_PD = None if launch.score_before_experts else _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
         ctx.save_for_backward(x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD)
         ctx.launch, ctx.dtypes = launch, dtypes
@@ -346,9 +366,10 @@ class _MegakernelExperts(torch.autograd.Function):
         K = scores_TK.shape[1]
         E_local = w1.shape[0]
         grad_out_TD = grad_out_TD.contiguous()
+        counters, error = _launch_state(grad_out_TD.device)
         d_a1, d_a3 = dispatch_gemm(
             sends, peers, rows, grad_out_TD, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
-            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins,
+            sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
             a_row=a_row, a_scale=scale,
             scale_rows=not before, aux=(a1, a3),
         )
@@ -359,8 +380,9 @@ class _MegakernelExperts(torch.autograd.Function):
         grad_x = gemm_combine(
             sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before else None,
             mode=DUAL, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
-            max_spins=sched.max_spins,
+            max_spins=sched.max_spins, counter=counters[1], error=error,
         )
+        raise_on_error(error, "megakernel backward")
         if before:
             d_rows_PD = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
             _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
@@ -378,7 +400,8 @@ class _MegakernelExperts(torch.autograd.Function):
 def megakernel_experts(
     x_TD: torch.Tensor,
     scores_TK: torch.Tensor,
-    topk_per_sender: list[torch.Tensor],
+    topk_TK: torch.Tensor,
+    tokens_per_sender: list[int],
     count_table_WE: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
@@ -391,7 +414,8 @@ def megakernel_experts(
     """(T, D) routed-expert output of a launch's tokens (its senders' tokens
     concatenated in rank order), differentiable in x, scores and the weights.
 
-    ``topk_per_sender``: each sender's (T_i, K) routing; ``count_table_WE`` (W, E): every
+    ``topk_TK`` (T, K): the routing of those tokens, ``tokens_per_sender`` rows per
+    sender of the launch; ``count_table_WE`` (W, E): every
     rank's pair counts per expert; w1, w3 (local_ranks * El, H, D) and w2
     (local_ranks * El, D, H): the launch owners' experts.
     """
@@ -409,13 +433,13 @@ def megakernel_experts(
     if schedule.up.block_m != schedule.gemm.block_m:
         raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
     K = scores_TK.shape[1]
-    tokens_per_rank = (count_table_WE.sum(1) // K).tolist()
-    peers.prepare(max(tokens_per_rank), K, count_table_WE.view(W, W, El).sum((0, 2)).tolist(),
-                  x_TD.shape[1], x_TD.dtype, x_TD.device)
+    table = count_table_WE.tolist()  # the call's one look at the counts on the host
+    tokens_per_rank = [sum(counts) // K for counts in table]
+    rows_per_owner = [sum(sum(counts[d * El:(d + 1) * El]) for counts in table) for d in range(W)]
+    peers.prepare(max(tokens_per_rank), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)
     scores_TK = scores_TK.float().contiguous()
-    scores_per_sender = torch.split(scores_TK, [t.shape[0] for t in topk_per_sender])
-    sends = build_sends(topk_per_sender, list(scores_per_sender), count_table_WE, peers.rank0, peers.tokens_cap)
-    rows = owner_rows(count_table_WE, peers.rank0, peers.local_ranks, schedule.gemm.block_m,
+    sends = build_sends(topk_TK, scores_TK, tokens_per_sender, count_table_WE, peers.rank0, peers.tokens_cap)
+    rows = owner_rows(count_table_WE, rows_per_owner, peers.rank0, peers.local_ranks, schedule.gemm.block_m,
                       peers.world * peers.tokens_cap)
     launch = Launch(peers, sends, rows, schedule, score_before_experts)
     return _MegakernelExperts.apply(x_TD.contiguous(), scores_TK, w1, w2, w3, launch)

@@ -1,0 +1,46 @@
+"""Where a megakernel layer call spends its time: device time per kernel and host
+time, one forward+backward at a bench_moe.py shape, next to the one-rank fused layer.
+
+    python scripts/profile_megakernel.py [--shape qwen3] [--ranks 2,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_moe import SHAPES, build_layers  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen3", choices=list(SHAPES))
+    parser.add_argument("--ranks", default="2,8", help="virtual ranks to profile (1: the one-rank fused layer)")
+    args = parser.parse_args()
+    from uniep import UniEPConfig
+
+    _, uniep, T, D, *_ = build_layers(args.shape)
+    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    for ranks in [1] + [int(r) for r in args.ranks.split(",")]:
+        uniep.config = UniEPConfig(backend="triton") if ranks == 1 else UniEPConfig(transport="megakernel", virtual_ranks=ranks)
+        for _ in range(3):
+            uniep(x).backward(grad)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            uniep(x).backward(grad)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith(("_Mega", "autograd", "aten::", "Activity"))]
+        kernels.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.self_device_time_total for e in kernels)
+        print(f"== {ranks} rank(s): device {total / 1e3:.2f} ms in kernels, host {prof.key_averages().self_cpu_time_total / 1e3:.1f} ms (profiled)")
+        for e in kernels[:8]:
+            print(f"   {e.key[:48]:48s} {e.count:4d} launches {e.self_device_time_total / 1e3:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
