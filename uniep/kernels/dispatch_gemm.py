@@ -26,7 +26,7 @@ Forward: mode SWIGLU_FWD, pushes x and the row metadata. Backward: mode SWIGLU_B
 pushes the output gradient only (the metadata was saved by the owner in the forward).
 
 A launch covers the ranks ``[rank0, rank0 + local_ranks)``: one real rank (its peers'
-buffers reached through pointer tables) or W virtual ranks on one device.
+buffers reached through per-region offsets) or W virtual ranks on one device.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ from uniep.kernels.grouped_gemm import (
 def _push_rows(
     chunk, x_ptr, tok_base_ptr,
     send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
-    land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+    land_ptr, meta_a_row_ptr, meta_scale_ptr, meta_origin_ptr, row_flag_ptr,
+    land_delta_ptr, a_row_delta_ptr, scale_delta_ptr, origin_delta_ptr, row_flag_delta_ptr,
     n_sends, D, T_cap, P_cap, rank0, epoch,
     K: tl.constexpr, KP: tl.constexpr, PUSH_META: tl.constexpr,
     SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr, SCOPE: tl.constexpr,
 ):
-    """Push sends ``[chunk * SENDS_PER_TASK, ...)``: token rows, row metadata, row flags."""
+    """Push sends ``[chunk * SENDS_PER_TASK, ...)``: token rows, row metadata, row flags.
+    Rank ``dest``'s copy of a region is at ``region_ptr + region_delta[dest]`` (elements)."""
     idx = chunk * SENDS_PER_TASK + tl.arange(0, SENDS_PER_TASK)
     mask_s = idx < n_sends
     src = tl.load(send_src_ptr + idx, mask=mask_s, other=0)
@@ -65,12 +67,13 @@ def _push_rows(
     dest = tl.load(send_dest_ptr + idx, mask=mask_s, other=0)
     x_rows = (tl.load(tok_base_ptr + src - rank0, mask=mask_s, other=0) + token).to(tl.int64)
     slot = src * T_cap + token
-    land = tl.load(land_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    # The landing regions start 16-element aligned (checked on the host): vector stores.
+    land_rows = tl.multiple_of(tl.load(land_delta_ptr + dest, mask=mask_s, other=0), 16) + slot.to(tl.int64) * D
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = mask_s[:, None] & (cols < D)[None, :]
         v = tl.load(x_ptr + x_rows[:, None] * D + cols[None, :], mask=mask)
-        tl.store(land[:, None] + slot.to(tl.int64)[:, None] * D + cols[None, :], v, mask=mask)
+        tl.store(land_ptr + land_rows[:, None] + cols[None, :], v, mask=mask)
 
     kk = tl.arange(0, KP)
     mask_k = mask_s[:, None] & (kk < K)[None, :]
@@ -78,16 +81,16 @@ def _push_rows(
     rows = tl.load(send_rows_ptr + at, mask=mask_k, other=-1)
     mask_r = mask_k & (rows >= 0)
     if PUSH_META:
-        a_row_base = tl.load(a_row_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
-        tl.store(a_row_base[:, None] + rows, tl.broadcast_to(slot[:, None], (SENDS_PER_TASK, KP)), mask=mask_r)
+        a_row_at = tl.load(a_row_delta_ptr + dest, mask=mask_s, other=0)[:, None] + rows
+        tl.store(meta_a_row_ptr + a_row_at, tl.broadcast_to(slot[:, None], (SENDS_PER_TASK, KP)), mask=mask_r)
         pairs = tl.load(send_pairs_ptr + at, mask=mask_r, other=0)
-        origin_base = tl.load(origin_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
-        tl.store(origin_base[:, None] + rows, src[:, None] * P_cap + pairs, mask=mask_r)
+        origin_at = tl.load(origin_delta_ptr + dest, mask=mask_s, other=0)[:, None] + rows
+        tl.store(meta_origin_ptr + origin_at, src[:, None] * P_cap + pairs, mask=mask_r)
         scale = tl.load(send_scale_ptr + at, mask=mask_r, other=0.0)
-        scale_base = tl.load(scale_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.float32))
-        tl.store(scale_base[:, None] + rows, scale, mask=mask_r)
-    flag_base = tl.load(flag_table_ptr + dest, mask=mask_s, other=0).to(tl.pointer_type(tl.int32))
-    publish_flags(flag_base[:, None] + rows, mask_r, epoch, False, SCOPE)
+        scale_at = tl.load(scale_delta_ptr + dest, mask=mask_s, other=0)[:, None] + rows
+        tl.store(meta_scale_ptr + scale_at, scale, mask=mask_r)
+    flag_at = tl.load(row_flag_delta_ptr + dest, mask=mask_s, other=0)[:, None] + rows
+    publish_flags(row_flag_ptr + flag_at, mask_r, epoch, False, SCOPE)
 
 
 @triton.jit
@@ -96,11 +99,13 @@ def _dispatch_gemm_kernel(
     # push side (this launch's sources)
     x_ptr, tok_base_ptr,
     send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
-    land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+    meta_a_row_ptr, meta_scale_ptr, meta_origin_ptr,  # this launch's row-metadata regions
+    land_delta_ptr, a_row_delta_ptr, scale_delta_ptr, origin_delta_ptr, row_flag_delta_ptr,  # (W,) int64
     n_sends, n_push, D, T_cap, P_cap, rank0, epoch, max_spins,
     # GEMM side (this launch's owners; rows concatenated over them)
     land_ptr,  # (local_ranks * W * T_cap, D) landing buffers of this launch's owners
-    a_row_ptr, a_scale_ptr, row_flag_ptr,  # (R,) slot, score, ready flag of each row
+    a_row_ptr, a_scale_ptr,  # (R,) landing slot and score of each row (read by the tiles)
+    row_flag_ptr,  # (R,) ready flag of each row
     b_ptr, b2_ptr, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
     expert_offsets_ptr, tile_offsets_ptr,
     N, Kd, num_experts, experts_per_rank, land_rows_per_rank,
@@ -118,7 +123,8 @@ def _dispatch_gemm_kernel(
             _push_rows(
                 task, x_ptr, tok_base_ptr,
                 send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
-                land_table_ptr, a_row_table_ptr, scale_table_ptr, origin_table_ptr, flag_table_ptr,
+                land_ptr, meta_a_row_ptr, meta_scale_ptr, meta_origin_ptr, row_flag_ptr,
+                land_delta_ptr, a_row_delta_ptr, scale_delta_ptr, origin_delta_ptr, row_flag_delta_ptr,
                 n_sends, D, T_cap, P_cap, rank0, epoch,
                 K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D, SCOPE,
             )
@@ -193,8 +199,8 @@ def dispatch_gemm(
         x_TD, sends.token_base,
         sends.src, sends.token, sends.dest, sends.rows, sends.pairs,
         sends.scale,
-        peers.tables["land"], peers.tables["a_row"], peers.tables["scale"], peers.tables["origin"],
-        peers.tables["row_flag"],
+        peers.local("a_row"), peers.local("scale"), peers.local("origin"),
+        *(peers.deltas[name] for name in ("land", "a_row", "scale", "origin", "row_flag")),
         sends.num_sends, n_push, D, peers.tokens_cap, peers.pairs_cap, peers.rank0, epoch, max_spins,
         peers.local("land"), a_row, a_scale, peers.local("row_flag"),
         w_E, w_E if w3_E is None else w3_E, c, c2, aux[0], aux[1],

@@ -66,7 +66,8 @@ def _combine_tokens(
 def _gemm_combine_kernel(
     counter_ptr, error_ptr,
     # GEMM side (this launch's owners)
-    a_ptr, a2_ptr, b_ptr, b2_ptr, origin_ptr, ret_table_ptr, ret_flag_table_ptr,
+    a_ptr, a2_ptr, b_ptr, b2_ptr, origin_ptr,
+    ret_delta_ptr, ret_flag_delta_ptr,  # (W,) int64: rank r's return region at ret_ptr + ret_delta[r]
     expert_offsets_ptr, tile_offsets_ptr,
     N, Kd, num_experts, stride_am, stride_be, stride_bk, stride_bn,
     # combine side (this launch's senders)
@@ -92,11 +93,12 @@ def _gemm_combine_kernel(
             origin = tl.load(origin_ptr + rows, mask=mask_m, other=0)
             src = origin // P_cap
             pair = (origin % P_cap).to(tl.int64)
-            ret_rows = tl.load(ret_table_ptr + src, mask=mask_m, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            tl.store(ret_rows[:, None] + pair[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+            # The return regions start 16-element aligned (checked on the host): vector stores.
+            ret_rows = tl.multiple_of(tl.load(ret_delta_ptr + src, mask=mask_m, other=0), 16) + pair * N
+            tl.store(ret_ptr + ret_rows[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mask_m[:, None] & mask_n[None, :])
-            flag_base = tl.load(ret_flag_table_ptr + src, mask=mask_m, other=0).to(tl.pointer_type(tl.int32))
-            publish_flags(flag_base + pair, mask_m, 1, True, SCOPE)
+            flag_at = tl.load(ret_flag_delta_ptr + src, mask=mask_m, other=0) + pair
+            publish_flags(ret_flag_ptr + flag_at, mask_m, 1, True, SCOPE)
         else:
             _combine_tokens(
                 task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr,
@@ -147,7 +149,7 @@ def gemm_combine(
     _gemm_combine_kernel[(programs,)](
         counter, error,
         a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,
-        peers.tables["ret"], peers.tables["ret_flag"],
+        peers.deltas["ret"], peers.deltas["ret_flag"],
         owner_rows.expert_offsets, owner_rows.tile_offsets,
         N, Kd, w_E.shape[0], a.stride(0), s_be, s_bk, s_bn,
         peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,

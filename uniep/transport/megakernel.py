@@ -66,15 +66,17 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class PeerBuffers:
-    """Every rank's landing, return, metadata and flag buffers, reached through
-    per-region tables of device addresses (``tables[name]``: (W,) int64)."""
+    """Every rank's landing, return, metadata and flag buffers. Rank r's copy of a
+    region is at ``local(name).data_ptr()`` plus ``deltas[name][r]`` elements ((W,)
+    int64 on the device): kernels address peers from one base pointer, which keeps
+    the compiler's alignment facts (vector loads and stores)."""
 
     def __init__(self, world: int, rank0: int, local_ranks: int, group: dist.ProcessGroup | None):
         self.world, self.rank0, self.local_ranks, self.group = world, rank0, local_ranks, group
         self.tokens_cap = self.pairs_cap = self.rows_cap = 0
         self.dim, self.dtype = 0, None
         self.epoch = 0
-        self.tables: dict[str, torch.Tensor] = {}
+        self.deltas: dict[str, torch.Tensor] = {}
         self._local: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -103,7 +105,7 @@ class PeerBuffers:
     def prepare(self, tokens: int, top_k: int, rows_per_owner: list[int], dim: int, dtype: torch.dtype,
                 device: torch.device) -> None:
         """Make room for a call (every rank of a real group decides the same: the inputs
-        come from the all-gathered count table) and point the row tables at each
+        come from the all-gathered count table) and point the row regions at each
         owner's rows."""
         rows = max(rows_per_owner) if self.group is not None else sum(rows_per_owner[self.rank0:self.rank0 + self.local_ranks])
         if (tokens > self.tokens_cap or tokens * top_k > self.pairs_cap or rows > self.rows_cap
@@ -115,12 +117,8 @@ class PeerBuffers:
             self._allocate(device)
         if self.group is None:
             # Virtual owners share one row space: owner d's rows start at row_base[d].
-            row_base = [sum(rows_per_owner[:d]) for d in range(self.world)]
-            tables = torch.tensor(
-                [[self._local[name].data_ptr() + b * self._local[name].element_size() for b in row_base]
-                 for name in _ROW_REGIONS], dtype=torch.int64,
-            ).to(device)
-            self.tables.update(zip(_ROW_REGIONS, tables))
+            row_base = torch.tensor([sum(rows_per_owner[:d]) for d in range(self.world)], device=device)
+            self.deltas.update({name: row_base for name in _ROW_REGIONS})
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         W, D = self.world, self.dim
@@ -134,12 +132,9 @@ class PeerBuffers:
             W = self.world
             for name, (shape, dtype) in shapes.items():
                 rank_rows = 1 if name in _ROW_REGIONS else W  # row regions: one shared row space
-                full = torch.zeros((rank_rows * shape[0], *shape[1:]), dtype=dtype, device=device)
-                self._local[name] = full
-                step = full[: shape[0]].numel() * full.element_size()
-                self.tables[name] = torch.tensor(
-                    [full.data_ptr() + (r * step if rank_rows > 1 else 0) for r in range(W)], dtype=torch.int64, device=device
-                )
+                self._local[name] = torch.zeros((rank_rows * shape[0], *shape[1:]), dtype=dtype, device=device)
+                step = int(torch.Size(shape).numel()) if rank_rows > 1 else 0
+                self.deltas[name] = torch.arange(W, dtype=torch.int64, device=device) * step
             return
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -154,9 +149,10 @@ class PeerBuffers:
         for name, (shape, dtype) in shapes.items():
             nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
             self._local[name] = buffer[offsets[name] : offsets[name] + nbytes].view(dtype).view(shape)
-            self.tables[name] = torch.tensor(
-                [ptr + offsets[name] for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device
-            )
+            byte_deltas = [ptr - handle.buffer_ptrs[self.rank0] for ptr in handle.buffer_ptrs]
+            if any(delta % (16 * dtype.itemsize) for delta in byte_deltas):
+                raise RuntimeError(f"symmetric buffers are not 16-element aligned to each other: {byte_deltas}")
+            self.deltas[name] = torch.tensor([d // dtype.itemsize for d in byte_deltas], dtype=torch.int64, device=device)
         handle.barrier()
 
 
