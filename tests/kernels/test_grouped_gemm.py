@@ -79,6 +79,11 @@ def test_wgrad_matches_reference(T, K, E, M, N, kind, dtype):
     torch.testing.assert_close(out, ref, **TOL[dtype])
     empty = (counts == 0).nonzero().flatten()
     assert torch.count_nonzero(out[empty]) == 0
+    # a scale on the gathered A rows (the down projection's output gradient w * g)
+    out = grouped_wgrad(a, b, expert_offsets, E, tiles=TILES, out_dtype=torch.float32, a_row=a_row, a_scale=scale, b_row=b_row)
+    a_scaled = (a[a_row.long()].float() * scale[:, None]).to(dtype)
+    ref = grouped_wgrad_reference(a_scaled, b, counts.tolist(), b_row=b_row)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
 def test_wgrad_with_two_inputs_shares_the_b_rows():

@@ -101,7 +101,7 @@ def _dispatch_gemm_kernel(
     send_src_ptr, send_token_ptr, send_dest_ptr, send_rows_ptr, send_pairs_ptr, send_scale_ptr,
     meta_a_row_ptr, meta_scale_ptr, meta_origin_ptr,  # this launch's row-metadata regions
     land_delta_ptr, a_row_delta_ptr, scale_delta_ptr, origin_delta_ptr, row_flag_delta_ptr,  # (W,) int64
-    n_sends, n_push, D, T_cap, P_cap, rank0, epoch, max_spins,
+    num_sends_ptr, D, T_cap, P_cap, rank0, epoch, max_spins,
     # GEMM side (this launch's owners; rows concatenated over them)
     land_ptr,  # (local_ranks * W * T_cap, D) landing buffers of this launch's owners
     a_row_ptr, a_scale_ptr,  # (R,) landing slot and score of each row (read by the tiles)
@@ -116,6 +116,8 @@ def _dispatch_gemm_kernel(
     SCOPE: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
+    n_sends = tl.load(num_sends_ptr)
+    n_push = tl.cdiv(n_sends, SENDS_PER_TASK)
     total = n_push + tl.load(tile_offsets_ptr + num_experts) * n_tiles
     task = tl.atomic_add(counter_ptr, 1)
     while task < total:
@@ -188,7 +190,7 @@ def dispatch_gemm(
         aux = (x_TD.new_empty(R, N), x_TD.new_empty(R, N))
     c = x_TD.new_empty(R, N)
     c2 = x_TD.new_empty(R, N) if mode == SWIGLU_BWD else c
-    n_push = triton.cdiv(sends.num_sends, sends_per_task)
+    n_push = triton.cdiv(sends.capacity, sends_per_task)  # upper bound, for the grid
     upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles)
     D = x_TD.shape[1]
@@ -201,7 +203,7 @@ def dispatch_gemm(
         sends.scale,
         peers.local("a_row"), peers.local("scale"), peers.local("origin"),
         *(peers.deltas[name] for name in ("land", "a_row", "scale", "origin", "row_flag")),
-        sends.num_sends, n_push, D, peers.tokens_cap, peers.pairs_cap, peers.rank0, epoch, max_spins,
+        sends.num_sends, D, peers.tokens_cap, peers.pairs_cap, peers.rank0, epoch, max_spins,
         peers.local("land"), a_row, a_scale, peers.local("row_flag"),
         w_E, w_E if w3_E is None else w3_E, c, c2, aux[0], aux[1],
         owner_rows.expert_offsets, owner_rows.tile_offsets,

@@ -47,11 +47,12 @@ def wait_flags(flag_base, index, mask, target, max_spins, error_ptr, rank, stage
         missing = missing & (ready < target)
         spins += 1
     if tl.sum(missing.to(tl.int32)) > 0:
-        first = tl.min(tl.where(missing, index, 1 << 30))
-        tl.atomic_xchg(error_ptr + 1, rank)
-        tl.atomic_xchg(error_ptr + 2, stage)
-        tl.atomic_xchg(error_ptr + 3, first.to(tl.int32))
-        tl.atomic_xchg(error_ptr, 1, sem="release")
+        # the first wait to give up owns the error word
+        if tl.atomic_cas(error_ptr, 0, 1) == 0:
+            first = tl.min(tl.where(missing, index, 1 << 30))
+            tl.atomic_xchg(error_ptr + 1, rank)
+            tl.atomic_xchg(error_ptr + 2, stage)
+            tl.atomic_xchg(error_ptr + 3, first.to(tl.int32))
     # Every thread of the program reads the data only after the flags were seen.
     tl.debug_barrier()
 

@@ -5,7 +5,8 @@ same loads of ``B`` (the w1 and w3 gradients share the token rows).
 
 Shape legend: R rows (expert-major), E experts, M and N the gradient's dims.
 ``A_e`` is rows ``[offsets[e], offsets[e+1])`` of A (optionally gathered through
-``a_row``), ``B_e`` likewise (gathered through ``b_row``, scaled by ``b_scale``).
+``a_row``, scaled by ``a_scale``), ``B_e`` likewise (``b_row``, ``b_scale``). A scaled row is
+rounded to the input dtype before the dot, the bits of a separately scaled copy.
 
 Each output tile of ``C[e]`` is computed by one program that walks the expert's rows in
 plan order, accumulating in fp32: no atomics and no split over rows, so the result is
@@ -28,6 +29,7 @@ def _grouped_wgrad_kernel(
     a_ptr,  # (rows_a, M)
     a2_ptr,  # (rows_a, M) (DUAL_A)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
+    a_scale_ptr,  # (R,) fp32 (HAS_A_SCALE)
     b_ptr,  # (rows_b, N)
     b_row_ptr,  # (R,) int32 (HAS_B_ROW)
     b_scale_ptr,  # (R,) fp32 (HAS_B_SCALE)
@@ -35,7 +37,8 @@ def _grouped_wgrad_kernel(
     expert_offsets_ptr,  # (E+1,) int32
     M, N, num_experts,
     stride_am, stride_bm, stride_ce, stride_cm,
-    HAS_A_ROW: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr, DUAL_A: tl.constexpr,
+    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
+    DUAL_A: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -68,6 +71,9 @@ def _grouped_wgrad_kernel(
             a_offs = a_rows[:, None] * stride_am + cols_m[None, :]
             a_mask = mask_r[:, None] & mask_m[None, :]
             a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)  # (BLOCK_K, BLOCK_M)
+            if HAS_A_SCALE:
+                a_scale = tl.load(a_scale_ptr + rows, mask=mask_r, other=0.0)
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
             b = tl.load(b_ptr + b_rows[:, None] * stride_bm + cols_n[None, :],
                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
             if HAS_B_SCALE:
@@ -92,6 +98,7 @@ def grouped_wgrad(
     tiles: GemmTiles,
     out_dtype: torch.dtype,
     a_row: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
     b_row: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
     a2: torch.Tensor | None = None,
@@ -109,12 +116,12 @@ def grouped_wgrad(
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
     _grouped_wgrad_kernel[(programs,)](
-        a, a if a2 is None else a2, dummy if a_row is None else a_row,
+        a, a if a2 is None else a2, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
         c, c2, expert_offsets,
         M, N, num_experts,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
-        HAS_A_ROW=a_row is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
+        HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
         DUAL_A=a2 is not None, NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -122,9 +129,11 @@ def grouped_wgrad(
     return c if a2 is None else (c, c2)
 
 
-def grouped_wgrad_reference(a, b, rows_per_expert, *, a_row=None, b_row=None, b_scale=None):
+def grouped_wgrad_reference(a, b, rows_per_expert, *, a_row=None, a_scale=None, b_row=None, b_scale=None):
     """fp32 PyTorch version of ``grouped_wgrad``."""
     a = (a if a_row is None else a[a_row.long()]).float()
+    if a_scale is not None:
+        a = a * a_scale[:, None]
     b = (b if b_row is None else b[b_row.long()]).float()
     if b_scale is not None:
         b = b * b_scale[:, None]

@@ -77,6 +77,7 @@ class PeerBuffers:
         self.dim, self.dtype = 0, None
         self.epoch = 0
         self.deltas: dict[str, torch.Tensor] = {}
+        self._pending_errors: list[tuple[torch.Tensor, str]] = []
         self._local: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -97,6 +98,23 @@ class PeerBuffers:
     def local(self, name: str) -> torch.Tensor:
         """This launch's view of a region: its ranks' regions, contiguous."""
         return self._local[name]
+
+    def record_errors(self, error_word: torch.Tensor, what: str) -> None:
+        """Queue a launch's error word for checking without a host sync now."""
+        host = torch.empty(4, dtype=torch.int32, pin_memory=error_word.is_cuda)
+        host.copy_(error_word, non_blocking=True)
+        self._pending_errors.append((host, what))
+
+    def raise_pending_errors(self, synchronize: bool = True) -> None:
+        """Raise :class:`~uniep.kernels.flags.MegakernelWaitError` if a queued launch
+        timed out. Each call checks the earlier calls' words after its own host sync
+        (so a timeout surfaces at the next megakernel call at the latest);
+        ``synchronize=False`` is for callers that have just synchronized."""
+        if synchronize and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        pending, self._pending_errors = self._pending_errors, []
+        for host, what in pending:
+            raise_on_error(host, what)
 
     def next_epoch(self) -> int:
         self.epoch += 1
@@ -171,11 +189,12 @@ def virtual_peers(world: int, device: torch.device) -> PeerBuffers:
 class Sends:
     """The sends of a launch's senders, in push order (owner's lowest expert first).
 
-    ``src``, ``token``, ``dest`` (S,) int32: token ``token`` of rank ``src`` goes to rank
-    ``dest`` once; ``rows``, ``pairs`` (S, K) int32: its rows on ``dest`` and their pair
-    ids ``t*K + k`` (-1 where pair k goes elsewhere); ``scale`` (S, K) fp32: the rows'
-    scores. ``token_base`` and ``token_count`` (local_ranks,) int32: each sender's tokens
-    in the launch's x."""
+    The first ``num_sends[0]`` (a device scalar: no host sync) of P = T*K entries are
+    sends: ``src``, ``token``, ``dest`` (P,) int32: token ``token`` of rank ``src`` goes
+    to rank ``dest`` once; ``rows``, ``pairs`` (P, K) int32: its rows on ``dest`` and
+    their pair ids ``t*K + k`` (-1 where pair k goes elsewhere); ``scale`` (P, K) fp32:
+    the rows' scores. ``token_base`` and ``token_count`` (local_ranks,) int32: each
+    sender's tokens in the launch's x."""
 
     src: torch.Tensor
     token: torch.Tensor
@@ -183,13 +202,15 @@ class Sends:
     rows: torch.Tensor
     pairs: torch.Tensor
     scale: torch.Tensor
+    num_sends: torch.Tensor
     token_base: torch.Tensor
     token_count: torch.Tensor
     tokens_per_sender: list[int]
     rank0: int
 
     @property
-    def num_sends(self) -> int:
+    def capacity(self) -> int:
+        """Upper bound of the number of sends (one per pair)."""
         return self.src.numel()
 
     @property
@@ -247,9 +268,11 @@ def build_sends(
     dest_TK = topk_TK // El
     same_owner = dest_TK[:, :, None] == dest_TK[:, None, :]  # (T, K, K): pairs k and j share an owner
     earlier = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
-    first = ~(same_owner & earlier).any(-1)
-    t_idx, k_idx = first.nonzero(as_tuple=True)
-    members = same_owner[t_idx, k_idx]  # (S, K)
+    first = ~(same_owner & earlier).any(-1).reshape(-1)
+    # Every pair is a candidate send; the others sort to the end (no host sync for S).
+    t_idx = torch.arange(T, device=device).repeat_interleave(K)
+    k_idx = torch.arange(K, device=device).repeat(T)
+    members = same_owner.reshape(T * K, K)
     rows = torch.where(members, dest_row_TK[t_idx], -1)
     pairs = torch.where(members, token_T[t_idx, None] * K + torch.arange(K, device=device), -1)
     scale = torch.where(members, scores_TK[t_idx].float(), 0.0)
@@ -258,11 +281,12 @@ def build_sends(
     # Priority: the owner's lowest expert first; owners visited starting after the
     # sender (spreads the first pushes over the owners); then sender, then token.
     key = ((lowest_expert * W + (dest - src) % W) * W + src) * tokens_cap + token
-    push = torch.argsort(key)
+    push = torch.argsort(torch.where(first, key, torch.iinfo(torch.int64).max))
     src, token, dest, rows, pairs = (t[push].to(torch.int32).contiguous() for t in (src, token, dest, rows, pairs))
     return Sends(
-        src=src, token=token, dest=dest, rows=rows, pairs=pairs, scale=scale[push].contiguous(), token_base=token_base.to(torch.int32), token_count=counts.to(torch.int32),
-        tokens_per_sender=list(tokens_per_sender), rank0=rank0,
+        src=src, token=token, dest=dest, rows=rows, pairs=pairs, scale=scale[push].contiguous(),
+        num_sends=first.sum().to(torch.int32).reshape(1), token_base=token_base.to(torch.int32),
+        token_count=counts.to(torch.int32), tokens_per_sender=list(tokens_per_sender), rank0=rank0,
     )
 
 
@@ -347,7 +371,7 @@ class _MegakernelExperts(torch.autograd.Function):
             mode=PLAIN, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
         )
-        raise_on_error(error, "megakernel forward")
+        peers.record_errors(error, "megakernel forward")
         y_PD = None if launch.score_before_experts else _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
         ctx.save_for_backward(x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD)
         ctx.launch, ctx.dtypes = launch, dtypes
@@ -369,23 +393,26 @@ class _MegakernelExperts(torch.autograd.Function):
             a_row=a_row, a_scale=scale,
             scale_rows=not before, aux=(a1, a3),
         )
-        # grad of the down projection's output rows, the bits the sequential path rounds
-        grad_y_RD = peers.local("land").index_select(0, a_row.long() + rows.landing_row)
-        if not before:
-            grad_y_RD = (grad_y_RD.float() * scale[:, None]).to(grad_y_RD.dtype)
+        # w2's gradient now, while this rank's landing buffer still holds the output
+        # gradient (peers may refill it once this rank's combine below is done); the
+        # score scale is applied per row and rounded, as the sequential path does
+        dt1, dt2, dt3 = ctx.dtypes
+        land_index = (a_row.long() + rows.landing_row).to(torch.int32)
+        grad_w2 = grouped_wgrad(
+            peers.local("land"), h, rows.expert_offsets, E_local, tiles=sched.wgrad, out_dtype=dt2,
+            a_row=land_index, a_scale=None if before else scale,
+        )
         grad_x = gemm_combine(
             sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before else None,
             mode=DUAL, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
         )
-        raise_on_error(error, "megakernel backward")
+        peers.record_errors(error, "megakernel backward")
         if before:
             d_rows_PD = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
             _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
         else:
             _, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, scores_TK, K, write_rows=False)
-        dt1, dt2, dt3 = ctx.dtypes
-        grad_w2 = grouped_wgrad(grad_y_RD, h, rows.expert_offsets, E_local, tiles=sched.wgrad, out_dtype=dt2)
         grad_w1, grad_w3 = grouped_wgrad(
             d_a1, x_rows_RD, rows.expert_offsets, E_local, tiles=sched.wgrad_up, out_dtype=dt1,
             b_scale=scale if before else None, a2=d_a3,
@@ -429,7 +456,8 @@ def megakernel_experts(
     if schedule.up.block_m != schedule.gemm.block_m:
         raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
     K = scores_TK.shape[1]
-    table = count_table_WE.tolist()  # the call's one look at the counts on the host
+    table = count_table_WE.tolist()  # the call's one host sync
+    peers.raise_pending_errors(synchronize=False)
     tokens_per_rank = [sum(counts) // K for counts in table]
     rows_per_owner = [sum(sum(counts[d * El:(d + 1) * El]) for counts in table) for d in range(W)]
     peers.prepare(max(tokens_per_rank), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)

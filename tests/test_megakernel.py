@@ -1,0 +1,196 @@
+"""The megakernel transport under the Triton interpreter, with virtual ranks on the CPU:
+its send lists against a brute-force construction, bitwise equality with the one-rank
+fused path (outputs and every gradient) for several EP degrees and schedules, and a
+peer that never signals giving an error instead of a hang."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.test_plan import brute_force_rows, routing
+from uniep import UniEPConfig, UniEPConfigError, UniEPMoE
+from uniep.kernels.dispatch_gemm import dispatch_gemm
+from uniep.kernels.flags import MegakernelWaitError
+from uniep.kernels.fused_experts import fused_experts
+from uniep.kernels.gemm_combine import gemm_combine
+from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, GemmTiles
+from uniep.plan import local_counts
+from uniep.transport.megakernel import PeerBuffers, Schedule, build_sends, megakernel_experts, owner_rows
+
+TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
+
+
+def schedule(**knobs):
+    return Schedule(TILES, TILES, TILES, TILES, **{"sends_per_task": 4, "tokens_per_task": 4, "max_spins": 1000, **knobs})
+
+
+@pytest.mark.parametrize("kind, W, T, K, E", [("random", 2, 9, 3, 8), ("random", 4, 6, 4, 8), ("one_rank", 4, 5, 2, 8)])
+def test_sends_against_brute_force(kind, W, T, K, E):
+    gen = torch.Generator().manual_seed(W * 10 + T)
+    topk = routing(kind, W, T, K, E, gen)
+    table = torch.stack([local_counts(t, E) for t in topk])
+    places = brute_force_rows(topk, E)
+    sends = build_sends(torch.cat(topk), torch.rand(W * T, K, generator=gen), [T] * W, table, 0, 16)
+    n = int(sends.num_sends)
+    seen = set()
+    for i in range(n):
+        src, t, dest = int(sends.src[i]), int(sends.token[i]), int(sends.dest[i])
+        assert (src, t, dest) not in seen  # a token crosses to an owner once
+        seen.add((src, t, dest))
+        got = {(int(p) % K, int(r)) for p, r in zip(sends.pairs[i], sends.rows[i]) if p >= 0}
+        want = {(k, places[(src, t, k)][1]) for k in range(K) if places[(src, t, k)][0] == dest}
+        assert got == want
+    owners = {(s, t, places[(s, t, k)][0]) for s in range(W) for t in range(T) for k in range(K)}
+    assert seen == owners
+    # push order: an owner's lower experts first
+    lowest = [min(int(topk[int(sends.src[i])][int(sends.token[i]), k]) % (E // W)
+                  for k in range(K) if int(sends.pairs[i][k]) >= 0) for i in range(n)]
+    assert lowest == sorted(lowest)
+
+
+def make_inputs(W, T, K, E, D, H, kind, gen, dtype):
+    if kind == "one_rank":  # every token on virtual rank 0's experts
+        topk = torch.cat(routing("one_rank", W, T, K, E, gen))
+    else:
+        topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(W * T)])
+    x = torch.randn(W * T, D, generator=gen).to(dtype)
+    scores = torch.rand(W * T, K, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen).to(dtype) * 0.2 for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen).to(dtype) * 0.2
+    return topk, [x, scores, w1, w2, w3], torch.randn(W * T, D, generator=gen).to(dtype)
+
+
+def run_grads(fn, leaves, grad):
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(
+    "W, T, K, E, D, H, kind, dtype",
+    [
+        (2, 7, 3, 8, 32, 16, "random", torch.float32),
+        (4, 5, 4, 8, 40, 24, "random", torch.float16),  # odd dims
+        (4, 6, 2, 8, 32, 16, "one_rank", torch.float32),  # skew: 3 ranks' experts empty
+    ],
+)
+@pytest.mark.parametrize("score_before", [False, True])
+def test_virtual_ranks_bitwise_equal_to_one_rank(W, T, K, E, D, H, kind, dtype, score_before):
+    gen = torch.Generator().manual_seed(W + T + K + score_before)
+    topk, leaves, grad = make_inputs(W, T, K, E, D, H, kind, gen, dtype)
+    table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+    order = torch.argsort(topk.reshape(-1), stable=True)
+
+    def one_rank(x, s, w1, w2, w3):
+        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
+                             tiles=TILES, wgrad_tiles=TILES)
+
+    def megakernel(x, s, w1, w2, w3):
+        return megakernel_experts(x, s, topk, [T] * W, table, w1, w2, w3, PeerBuffers.virtual(W), schedule(),
+                                  score_before_experts=score_before)
+
+    reference = run_grads(one_rank, leaves, grad)
+    got = run_grads(megakernel, leaves, grad)
+    for name, a, b in zip(["out", "x", "scores", "w1", "w2", "w3"], got, reference):
+        assert torch.equal(a, b), name
+
+
+def test_schedule_knobs_do_not_change_bits():
+    W, T, K, E = 2, 9, 3, 8
+    gen = torch.Generator().manual_seed(3)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
+    table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+    peers = PeerBuffers.virtual(W)  # one buffer set reused across calls, as in training
+
+    def with_schedule(sched):
+        def fn(x, s, w1, w2, w3):
+            return megakernel_experts(x, s, topk, [T] * W, table, w1, w2, w3, peers, sched, score_before_experts=False)
+        return run_grads(fn, leaves, grad)
+
+    first = with_schedule(schedule())
+    for knobs in (dict(sends_per_task=1, tokens_per_task=32), dict(sends_per_task=64, tokens_per_task=1)):
+        again = with_schedule(schedule(**knobs))
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), knobs
+    tiles = GemmTiles(16, 16, 16, num_programs=1)
+    again = with_schedule(Schedule(tiles, tiles, tiles, tiles, 8, 8, 1000))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_layer_with_virtual_ranks_matches_one_rank():
+    """The whole UniEP layer (router, shared experts) with 2 and 4 virtual ranks gives the
+    one-rank layer's output, input gradient and every parameter gradient, bitwise."""
+    tiles = dict(gemm_block_m=16, gemm_block_n=16, gemm_up_block_n=16, gemm_block_k=16, wgrad_block_m=16,
+                 wgrad_block_n=16, wgrad_up_block_n=16, wgrad_block_k=16, num_programs=3)
+    torch.manual_seed(0)
+    layer = UniEPMoE(32, 16, 8, 3, num_shared_experts=1, score_func="softmax", route_norm=True)
+    layer.init_weights(0.02)
+    x, grad = torch.randn(2, 9, 32), torch.randn(2, 9, 32)
+
+    def run(config):
+        copy_ = copy.deepcopy(layer)
+        copy_.config = config
+        xi = x.clone().requires_grad_(True)
+        copy_(xi).backward(grad)
+        return [xi.grad] + [p.grad for _, p in sorted(copy_.named_parameters())]
+
+    reference = run(UniEPConfig(backend="triton", **tiles))
+    for ranks in (2, 4):
+        got = run(UniEPConfig(transport="megakernel", virtual_ranks=ranks, megakernel_sends_per_task=2, **tiles))
+        assert all(torch.equal(a, b) for a, b in zip(got, reference)), ranks
+
+
+def silent_peer_setup(W=2, T=4, K=2, E=4, D=16, H=16):
+    """Buffers and plans of a call whose senders never push (num_sends forced to 0)."""
+    gen = torch.Generator().manual_seed(0)
+    topk, (x, scores, w1, w2, w3), _ = make_inputs(W, T, K, E, D, H, "random", gen, torch.float32)
+    table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+    peers = PeerBuffers.virtual(W)
+    per_owner = table.view(W, W, E // W).sum((0, 2)).tolist()
+    peers.prepare(T, K, per_owner, D, x.dtype, x.device)
+    sends = build_sends(topk, scores, [T] * W, table, 0, peers.tokens_cap)
+    rows = owner_rows(table, per_owner, 0, W, 16, W * peers.tokens_cap)
+    return peers, sends, rows, x, (w1, w2, w3)
+
+
+def test_peer_that_never_pushes_gives_an_error_not_a_hang():
+    peers, sends, rows, x, (w1, _, w3) = silent_peer_setup()
+    sends.num_sends.zero_()
+    error = torch.zeros(4, dtype=torch.int32)
+    R = rows.num_rows
+    dispatch_gemm(sends, peers, rows, x, w1, w3, mode=SWIGLU_FWD, epoch=peers.next_epoch(), tiles=TILES,
+                  sends_per_task=4, max_spins=50, counter=torch.zeros(1, dtype=torch.int32), error=error,
+                  a_row=peers.local("a_row")[:R], a_scale=peers.local("scale")[:R], scale_rows=False)
+    peers.record_errors(error, "megakernel forward")
+    with pytest.raises(MegakernelWaitError, match=r"rank 0 timed out in dispatch .* row flag of owner row 0"):
+        peers.raise_pending_errors()
+
+
+def test_owner_that_never_returns_gives_an_error_not_a_hang():
+    peers, sends, rows, x, (_, w2, _) = silent_peer_setup()
+    h = torch.zeros(rows.num_rows, w2.shape[2])
+    # no rows on the owners, so no GEMM tile ever returns a pair to its sender
+    empty = owner_rows(torch.zeros(2, 4, dtype=torch.long), [0, 0], 0, 2, 16, 2 * peers.tokens_cap)
+    error = torch.zeros(4, dtype=torch.int32)
+    gemm_combine(sends, peers, empty, h, None, w2, None, None, mode=PLAIN, origin=torch.zeros(0, dtype=torch.int32),
+                 tiles=TILES, tokens_per_task=4, max_spins=50, counter=torch.zeros(1, dtype=torch.int32), error=error)
+    peers.record_errors(error, "megakernel forward")
+    with pytest.raises(MegakernelWaitError, match=r"rank 0 timed out in combine .* pair flag"):
+        peers.raise_pending_errors()
+
+
+def test_megakernel_config_errors():
+    with pytest.raises(UniEPConfigError, match="virtual_ranks = 2 needs transport = 'megakernel'"):
+        UniEPConfig(virtual_ranks=2)
+    with pytest.raises(UniEPConfigError, match="megakernel_sends_per_task = 3"):
+        UniEPConfig(transport="megakernel", megakernel_sends_per_task=3)
+    with pytest.raises(UniEPConfigError, match="megakernel_max_spins = 0"):
+        UniEPConfig(megakernel_max_spins=0)
+    with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs of one node"):
+        UniEPConfig(transport="megakernel").resolved_backend("cpu", 2)
+    assert UniEPConfig(transport="megakernel").resolved_backend("cpu", 1) in ("torch", "triton")
+    assert UniEPConfig(transport="megakernel", backend="torch").resolved_backend("cpu", 2) == "torch"
+    layer = UniEPMoE(16, 8, 6, 2, config=UniEPConfig(transport="megakernel", virtual_ranks=4))
+    with pytest.raises(ValueError, match="num_experts = 6 is not divisible by the expert-parallel degree 4"):
+        layer(torch.randn(1, 4, 16))
