@@ -270,7 +270,7 @@ class UniEPMoE(nn.Module):
     def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
         """(T, D) routed-expert output on the two megakernels: over the real EP group,
         or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
-        from uniep.transport.megakernel import Schedule, megakernel_experts, virtual_peers
+        from uniep.transport.megakernel import Schedule, device_ints, megakernel_experts, virtual_peers
 
         T = topk_idx_TK.shape[0]
         if transport.ep_size > 1:
@@ -280,7 +280,7 @@ class UniEPMoE(nn.Module):
             W = c.virtual_ranks
             peers, tokens_per_sender = virtual_peers(W, x_TD.device), [T // W + (r < T % W) for r in range(W)]
             sender = torch.repeat_interleave(
-                torch.arange(W, device=x_TD.device), torch.tensor(tokens_per_sender, device=x_TD.device), output_size=T
+                torch.arange(W, device=x_TD.device), device_ints(tokens_per_sender, x_TD.device), output_size=T
             )
             pair_keys = (sender[:, None] * self.num_experts + topk_idx_TK).reshape(-1)
             count_table = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)

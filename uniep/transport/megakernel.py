@@ -61,6 +61,16 @@ _REGIONS = {
 _ROW_REGIONS = ("a_row", "scale", "origin", "row_flag")
 
 
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """(n,) int64 on ``device`` without waiting for the device: a plain
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks
+    until the GPU has drained its queue."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
@@ -135,7 +145,7 @@ class PeerBuffers:
             self._allocate(device)
         if self.group is None:
             # Virtual owners share one row space: owner d's rows start at row_base[d].
-            row_base = torch.tensor([sum(rows_per_owner[:d]) for d in range(self.world)], device=device)
+            row_base = device_ints([sum(rows_per_owner[:d]) for d in range(self.world)], device)
             self.deltas.update({name: row_base for name in _ROW_REGIONS})
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -221,8 +231,8 @@ class Sends:
         """(sender rank, first token) of every combine task, (n,) int32 each."""
         tasks = [-(-t // tokens_per_task) for t in self.tokens_per_sender]
         device = self.src.device
-        first_task = torch.tensor([sum(tasks[:i]) for i in range(len(tasks))], device=device)
-        sender = torch.repeat_interleave(torch.arange(len(tasks), device=device), torch.tensor(tasks, device=device),
+        first_task = device_ints([sum(tasks[:i]) for i in range(len(tasks))], device)
+        sender = torch.repeat_interleave(torch.arange(len(tasks), device=device), device_ints(tasks, device),
                                          output_size=sum(tasks))
         first_token = (torch.arange(sum(tasks), device=device) - first_task[sender]) * tokens_per_task
         return (sender + self.rank0).to(torch.int32), first_token.to(torch.int32)
@@ -247,7 +257,7 @@ def build_sends(
     W, E = count_table_WE.shape
     El = E // W
     device = topk_TK.device
-    counts = torch.tensor(tokens_per_sender, device=device)
+    counts = device_ints(tokens_per_sender, device)
     token_base = _exclusive_cumsum(counts)
     sender_T = torch.repeat_interleave(torch.arange(len(tokens_per_sender), device=device), counts, output_size=T)
     token_T = torch.arange(T, device=device) - token_base[sender_T]
@@ -320,7 +330,7 @@ def owner_rows(count_table_WE: torch.Tensor, rows_per_owner: list[int], rank0: i
     local = rows_per_owner[rank0 : rank0 + local_ranks]
     landing_row = torch.repeat_interleave(
         torch.arange(local_ranks, device=mine.device) * landing_rows,
-        torch.tensor(local, device=mine.device), output_size=sum(local),
+        device_ints(local, mine.device), output_size=sum(local),
     )
     return OwnerRows(mine, expert_offsets, tiles, rows_per_owner, landing_row, El)
 
