@@ -93,7 +93,8 @@ def _push_rows(
     publish_flags(row_flag_ptr + flag_at, mask_r, epoch, False, SCOPE)
 
 
-@triton.jit
+# The epoch changes every call: specializing on it (divisibility by 16) would recompile.
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
 def _dispatch_gemm_kernel(
     counter_ptr, error_ptr,
     # push side (this launch's sources)

@@ -62,7 +62,8 @@ def _combine_tokens(
     publish_flags(flags + pairs, mask_p, 0, False, SCOPE)
 
 
-@triton.jit
+# The number of combine tasks follows the batch: no specialization (recompiles) on it.
+@triton.jit(do_not_specialize=["n_combine", "max_spins"])
 def _gemm_combine_kernel(
     counter_ptr, error_ptr,
     # GEMM side (this launch's owners)
