@@ -81,6 +81,8 @@ def check_job(job_config, train_spec, world_size: int) -> None:
         raise PreflightError(
             f"parallelism.expert_parallel_degree = {ep} must divide the world size ({world_size} processes)"
         )
+    if ep > 1 and job_config.uniep.transport == "megakernel":
+        check_megakernel_placement(ep)
     dataset = job_config.training.dataset
     path = job_config.training.dataset_path
     if dataset in data.LOCAL_FILE_DATASETS and not (path and glob.glob(path)):
@@ -95,6 +97,25 @@ def check_job(job_config, train_spec, world_size: int) -> None:
         raise PreflightError(
             f"model.hf_assets_path = {job_config.model.hf_assets_path!r}: no tokenizer.json in "
             f"{tokenizer!r} (use {data.EMBEDDED_TOKENIZER!r} for the shipped tokenizer)"
+        )
+
+
+def check_megakernel_placement(ep: int) -> None:
+    """The megakernel reaches its peers through symmetric memory: CUDA GPUs of one node,
+    so the expert-parallel group (consecutive ranks) must fit in a node."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PreflightError(
+            "uniep.transport = 'megakernel' needs CUDA GPUs (symmetric memory); this machine has none: "
+            "use uniep.transport = 'all_to_all'"
+        )
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    if ep > per_node or per_node % ep:
+        raise PreflightError(
+            f"uniep.transport = 'megakernel' needs the expert-parallel group inside one node: "
+            f"parallelism.expert_parallel_degree = {ep} must divide the {per_node} processes per node "
+            "(or use uniep.transport = 'all_to_all')"
         )
 
 

@@ -16,7 +16,13 @@ from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.gemm_combine import gemm_combine
 from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, GemmTiles
 from uniep.plan import local_counts
-from uniep.transport.megakernel import PeerBuffers, Schedule, build_sends, megakernel_experts, owner_rows
+from uniep.transport.megakernel import (
+    PeerBuffers,
+    Schedule,
+    build_sends,
+    megakernel_experts,
+    owner_rows,
+)
 
 TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
 
@@ -168,7 +174,7 @@ def test_peer_that_never_pushes_gives_an_error_not_a_hang():
 
 
 def test_owner_that_never_returns_gives_an_error_not_a_hang():
-    peers, sends, rows, x, (_, w2, _) = silent_peer_setup()
+    peers, sends, rows, _, (_, w2, _) = silent_peer_setup()
     h = torch.zeros(rows.num_rows, w2.shape[2])
     # no rows on the owners, so no GEMM tile ever returns a pair to its sender
     empty = owner_rows(torch.zeros(2, 4, dtype=torch.long), [0, 0], 0, 2, 16, 2 * peers.tokens_cap)

@@ -71,6 +71,16 @@ def test_ep_degree_must_divide_experts(train):
     )
 
 
+def test_megakernel_transport_needs_gpus_of_one_node(train, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on CI, also on a GPU host
+    assert_stopped_with(
+        train("--uniep.transport", "megakernel"),
+        "uniep.transport = 'megakernel' needs CUDA GPUs (symmetric memory); this machine has none",
+    )
+
+
 def test_ep_degree_must_divide_world_size(train):
     assert_stopped_with(
         train("--parallelism.expert_parallel_degree", "4", world_size=2),

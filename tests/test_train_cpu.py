@@ -23,9 +23,15 @@ def assert_trains(log, steps):
     assert sum(values[-5:]) / 5 < sum(values[:5]) / 5 - 0.5, values
 
 
-def test_qwen3_moe_debug_trains_with_ep2(tmp_path):
-    run_train("qwen3_moe_debug.toml", tmp_path)
-    assert_trains(read_loss_log(tmp_path), 20)
+def test_qwen3_moe_debug_trains_with_ep2_and_repeats_bitwise(tmp_path):
+    run_train("qwen3_moe_debug.toml", tmp_path / "first")
+    first = read_loss_log(tmp_path / "first")
+    assert_trains(first, 20)
+    # a second run (its first 8 steps, same LR schedule) gives the same bits
+    run_train("qwen3_moe_debug.toml", tmp_path / "second", "--training.steps", "8", "--lr_scheduler.total_steps", "20")
+    second = read_loss_log(tmp_path / "second")
+    assert losses(second, range(1, 9)) == losses(first, range(1, 9))
+    assert [second[s]["grad_norm"] for s in range(1, 9)] == [first[s]["grad_norm"] for s in range(1, 9)]
 
 
 def test_deepseek_v3_debug_trains_with_ep2(deepseek_runs):
