@@ -11,6 +11,7 @@ writes the fastest into the tuning cache (keyed by device, EP degree, shape and
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--local-search", type=int, default=8,
                         help="also measure up to N one-knob neighbours of the default config")
     parser.add_argument("--describe", action="store_true", help="print the space and exit")
+    parser.add_argument("--json", help="write every measured point (knobs, predicted, measured) here, as it goes")
     args = parser.parse_args()
 
     from uniep.tune import MoEShape, describe, device_spec, rank
@@ -84,8 +86,13 @@ def main() -> None:
 
     from uniep.tune.measure import tune
 
+    def save(results):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"shape": shape.key(), "tokens": tokens, "device": spec.name, "results": results}, f, indent=1)
+
     report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func,
-                  score_before_experts=score_before, local_search=args.local_search)
+                  score_before_experts=score_before, local_search=args.local_search, on_result=save)
     print("\n| candidate | predicted ms | measured ms |\n|---|---|---|")
     for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
         print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")

@@ -250,7 +250,7 @@ class UniEPMoE(nn.Module):
             shape = MoEShape(dim=w1.shape[2], hidden=w1.shape[1], experts=self.num_experts, top_k=self.top_k)
             config, source = resolve(self.config, shape, tokens, device_spec(device), ep_size)
             knobs = {k: getattr(config, k) for k in KNOBS}
-            logger.info(f"UniEP config = 'auto' for {shape.key()}, {key[0]} tokens, EP {ep_size}: {source} choice {knobs}")
+            logger.info(f"UniEP config = 'auto' for {shape.key()}, {key[0]} tokens, EP {ep_size}: {source} -> {knobs}")
             self._auto_configs[key] = config
         return self._auto_configs[key]
 

@@ -52,13 +52,14 @@ def _progress(i: int, n: int, label: str, best: float) -> None:
 def tune(
     shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1,
     score_func: str = "softmax", score_before_experts: bool = False, local_search: int = 0,
-    cache: TuneCache | None = None,
+    cache: TuneCache | None = None, on_result=None,
 ) -> dict:
     """Measure the ``top`` predicted points, the default config and up to ``local_search``
     of the default's one-knob neighbours (best predicted first); store the fastest.
 
     Returns ``{"best": {...}, "results": [{knobs, predicted_ms, measured_ms}, ...],
     "median_error", "worst_error"}`` (errors relative to the measured times).
+    ``on_result(results)`` is called after each measurement (e.g. to save progress).
     """
     torch.manual_seed(0)
     layer = UniEPMoE(shape.dim, shape.hidden, shape.experts, shape.top_k, score_func=score_func,
@@ -94,6 +95,8 @@ def tune(
         predicted = all_ranked.get(tuple(knobs.items()), float("nan")) * 1e3
         results.append({"knobs": knobs, "label": label, "predicted_ms": predicted, "measured_ms": measured})
         best = min(best, measured)
+        if on_result is not None:
+            on_result(results)
     _progress(len(candidates), len(candidates), "done", best)
     print()
 

@@ -15,7 +15,7 @@ from uniep.config import UniEPConfig
 from uniep.tune.cache import MoEShape, TuneCache, token_bucket
 from uniep.tune.cost_model import predict
 from uniep.tune.device import DeviceSpec
-from uniep.tune.space import Space, feasible, full_space
+from uniep.tune.space import KNOBS, Space, feasible, full_space
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,23 +58,39 @@ def neighbors(knobs: dict[str, int], spec: DeviceSpec) -> list[dict[str, int]]:
     return [p for p, ok in zip(points, feasible(space, spec.smem_per_block)) if ok]
 
 
+# The model replaces the given knobs only when it predicts at least this gain: below
+# it, the difference is within the model's error (6.8% median when predicting a shape
+# it was not fitted on), and the measured step of scripts/tune.py decides instead.
+MODEL_MARGIN = 0.10
+
+
 @functools.lru_cache(maxsize=256)
-def _best_predicted(shape: MoEShape, bucket: int, spec: DeviceSpec, ep_size: int) -> tuple[tuple[str, int], ...]:
-    knobs, _ = rank(shape, bucket, spec, ep_size=ep_size, top=1)[0]
-    return tuple(knobs.items())
+def _model_choice(
+    shape: MoEShape, bucket: int, spec: DeviceSpec, ep_size: int, given: tuple[tuple[str, int], ...]
+) -> tuple[tuple[tuple[str, int], ...], float]:
+    """(knobs, predicted gain over ``given``): the model's argmin, or ``given`` itself
+    when the argmin is not predicted to be ``MODEL_MARGIN`` faster."""
+    knobs, best = rank(shape, bucket, spec, ep_size=ep_size, top=1)[0]
+    one = Space({k: np.array([v]) for k, v in given})
+    base = float(predict(one, shape, uniform_rows(shape, bucket, ep_size), spec)[0])
+    gain = base / best
+    return (tuple(knobs.items()) if gain >= 1 + MODEL_MARGIN else given), gain
 
 
 def resolve(
     config: UniEPConfig, shape: MoEShape, tokens: int, spec: DeviceSpec, ep_size: int = 1,
     cache: TuneCache | None = None,
 ) -> tuple[UniEPConfig, str]:
-    """A concrete config for ``config.config == "auto"`` and where it came from
-    ("measured" cache entry or "cost model"); other configs are returned unchanged."""
+    """A concrete config for ``config.config == "auto"`` and where it came from: a
+    "measured" cache entry, the "cost model" argmin, or the config's own knobs when the
+    model predicts no gain beyond its error ("cost model: given knobs kept"); other
+    configs are returned unchanged."""
     if config.config != "auto":
         return config, "explicit"
     entry = (cache or TuneCache()).lookup(spec.name, ep_size, shape, tokens)
     if entry is not None:
-        knobs, source = entry["knobs"], "measured"
-    else:
-        knobs, source = dict(_best_predicted(shape, token_bucket(tokens), spec, ep_size)), "cost model"
-    return dataclasses.replace(config, config="explicit", **knobs), source
+        return dataclasses.replace(config, config="explicit", **entry["knobs"]), "measured"
+    given = tuple((k, getattr(config, k)) for k in KNOBS)
+    knobs, gain = _model_choice(shape, token_bucket(tokens), spec, ep_size, given)
+    source = "cost model" if knobs != given else f"cost model: given knobs kept (best point predicted {gain:.2f}x)"
+    return dataclasses.replace(config, config="explicit", **dict(knobs)), source
