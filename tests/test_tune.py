@@ -123,3 +123,23 @@ def test_neighbours_change_one_knob_and_fit_the_device():
     assert feasible(space, SPEC.smem_per_block).all()
     # gemm_num_stages 5 with the 128x128 gate/up tile needs 240 KiB of shared memory: not offered
     assert not any(p["gemm_num_stages"] == 5 for p in found)
+
+
+def test_cost_model_error_on_the_measured_h200_points():
+    """The shipped constants against the committed H200 measurements (65 points, five
+    shape/token settings): median error under 10%, and every setting's under 10%."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec_ = importlib.util.spec_from_file_location("fit_cost_model", root / "scripts" / "fit_cost_model.py")
+    fit = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(fit)
+    from uniep.tune.cost_model import DEFAULT_CALIBRATION
+
+    settings, device = fit.load(str(root / "benchmarks" / "tune"))
+    assert len(settings) == 5 and device.name == "NVIDIA H200"
+    errors = fit.errors(settings, device, DEFAULT_CALIBRATION)
+    assert statistics.median(np.concatenate(list(errors.values()))) < 0.10
+    assert all(statistics.median(e) < 0.10 for e in errors.values()), {k: statistics.median(e) for k, e in errors.items()}
