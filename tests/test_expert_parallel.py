@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from uniep import UniEPMoE
+from uniep import UniEPConfig, UniEPMoE
 
 DIM, HIDDEN, E = 24, 40, 8
 ROUTERS = {
@@ -19,10 +19,17 @@ ROUTERS = {
 }
 
 
-def make_layer(router, seed):
+# The Triton backend at interpreter-friendly tile sizes.
+TRITON = dict(backend="triton", gemm_block_m=16, gemm_block_n=16, gemm_up_block_n=16, gemm_block_k=16,
+              wgrad_block_m=16, wgrad_block_n=16, wgrad_up_block_n=16, wgrad_block_k=16, num_programs=2)
+
+
+def make_layer(router, seed, backend="torch"):
     torch.manual_seed(seed)
     layer = UniEPMoE(DIM, HIDDEN, E, **ROUTERS[router])
     layer.init_weights(0.02)
+    if backend == "triton":
+        layer.config = UniEPConfig(**TRITON)
     return layer
 
 
@@ -44,11 +51,11 @@ def fwd_bwd(layer, x, grad_out, skew):
     return out.detach(), x.grad, w_grads
 
 
-def _worker(rank, world, store_path, router, seed, skew, result_path):
+def _worker(rank, world, store_path, router, seed, skew, result_path, backend):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        layer = make_layer(router, seed)
+        layer = make_layer(router, seed, backend)
         layer.keep_local_experts(dist.group.WORLD)
         x, grad_out, _ = make_batch(seed, 2 * world, skew)
         mine = slice(2 * rank, 2 * rank + 2)
@@ -58,11 +65,11 @@ def _worker(rank, world, store_path, router, seed, skew, result_path):
         dist.destroy_process_group()
 
 
-def run_ep(world, router, seed, skew, tmp_path):
+def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
     result = str(tmp_path / f"ep{world}")
     mp.start_processes(
         _worker,
-        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result),
+        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend),
         nprocs=world,
         start_method="spawn",
     )
@@ -75,20 +82,23 @@ def run_ep(world, router, seed, skew, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "world, router, skew",
+    "world, router, skew, backend",
     [
-        (2, "qwen3", False),
-        (4, "deepseek_v3", False),
-        (2, "score_before", False),
-        (4, "qwen3", True),  # all rows to rank 0; ranks 1-3 compute nothing
+        (2, "qwen3", False, "torch"),
+        (4, "deepseek_v3", False, "torch"),
+        (4, "score_before", False, "torch"),  # sigmoid and shared experts: batch-invariant blocks
+        (4, "qwen3", True, "torch"),  # all rows to rank 0; ranks 1-3 compute nothing
+        # Triton experts over all_to_all against the one-rank fused kernels
+        (2, "qwen3", False, "triton"),
+        (4, "score_before", True, "triton"),
     ],
 )
-def test_ep_matches_one_process_bitwise(world, router, skew, tmp_path):
+def test_ep_matches_one_process_bitwise(world, router, skew, backend, tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     seed = 100 + world
     x, grad_out, _ = make_batch(seed, 2 * world, skew)
-    ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed), x, grad_out, skew)
-    out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path)
+    ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
+    out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path, backend)
     assert torch.equal(out, ref_out)
     assert torch.equal(gx, ref_gx)
     for name in ref_w:

@@ -35,9 +35,10 @@ class UniEPConfig:
     logged."""
 
     backend: Backend = "auto"
-    """Compute path of the expert block. ``triton``: fused Triton kernels (CUDA, one
-    expert-parallel rank). ``torch``: plain-PyTorch reference path (runs anywhere).
-    ``auto``: ``triton`` on CUDA with expert-parallel degree 1, else ``torch``."""
+    """Compute path of the expert block. ``triton``: fused Triton kernels (CUDA; at
+    expert-parallel degree > 1 over the ``all_to_all`` transport, with the same bits as
+    one rank). ``torch``: plain-PyTorch reference path (runs anywhere). ``auto``:
+    ``triton`` on CUDA, else ``torch``."""
 
     transport: Transport = "all_to_all"
     """How rows move between expert-parallel ranks. ``all_to_all``: torch.distributed
@@ -157,13 +158,12 @@ class UniEPConfig:
                 )
             return "megakernel"
         if self.backend == "auto":
-            return "triton" if device_type == "cuda" and ep_size == 1 else "torch"
+            return "triton" if device_type == "cuda" else "torch"
         # the Triton interpreter runs the kernels on the CPU (tests)
         on_triton_device = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if self.backend == "triton" and (not on_triton_device or ep_size != 1):
+        if self.backend == "triton" and not on_triton_device:
             raise UniEPConfigError(
-                f"backend = 'triton' runs on CUDA with expert-parallel degree 1; got device "
-                f"{device_type!r}, degree {ep_size} (use 'auto' or 'torch')"
+                f"backend = 'triton' runs on CUDA; got device {device_type!r} (use 'auto' or 'torch')"
             )
         return self.backend
 

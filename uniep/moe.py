@@ -21,9 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, expert_mlp_torch
-from uniep.plan import build_plan, local_counts
+from uniep.plan import build_plan, device_ints, local_counts
 from uniep.router import TopKRouter
 from uniep.rows import permute_rows, replicate_topk, sum_topk_fp32
 from uniep.transport import build_transport
@@ -203,12 +204,14 @@ class UniEPMoE(nn.Module):
         backend = config.resolved_backend(x.device.type, transport.ep_size)
         if backend == "megakernel":
             out_TD = self._experts_megakernel(x_TD, top_scores_TK, topk_idx_TK, counts_E, config, transport)
+        elif backend == "triton" and transport.ep_size > 1:
+            out_TD = self._experts_all_to_all_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config, transport)
         elif backend == "triton":
             out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config)
         else:
             out_TD = self._experts_torch(x_TD, top_scores_TK, topk_idx_TK, counts_E, transport)
         if self.shared_experts is not None:
-            out_TD = self.shared_experts(x_TD) + out_TD
+            out_TD = in_fixed_row_blocks(self.shared_experts, x_TD) + out_TD
         return out_TD.view(B, S, D)
 
     def _experts_torch(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, transport) -> torch.Tensor:
@@ -267,10 +270,21 @@ class UniEPMoE(nn.Module):
             tiles=gemm, up_tiles=up, wgrad_tiles=wgrad, wgrad_up_tiles=wgrad_up,
         )
 
+    def _experts_all_to_all_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport):
+        """(T, D) routed-expert output over the all_to_all transport, experts on the
+        Triton kernels (EP > 1; the same bits as one rank)."""
+        from uniep.transport.all_to_all_fused import all_to_all_fused_experts
+
+        plan = build_plan(topk_idx_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank)
+        return all_to_all_fused_experts(
+            x_TD, top_scores_TK, plan, transport, *self.experts.local_weights(),
+            tiles=_tiles(c), score_before_experts=self.score_before_experts,
+        )
+
     def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
         """(T, D) routed-expert output on the two megakernels: over the real EP group,
         or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
-        from uniep.transport.megakernel import Schedule, device_ints, megakernel_experts, virtual_peers
+        from uniep.transport.megakernel import Schedule, megakernel_experts, virtual_peers
 
         T = topk_idx_TK.shape[0]
         if transport.ep_size > 1:

@@ -128,3 +128,13 @@ def build_plan(
         recv_splits=count_table_WE[:, mine].sum(1).tolist(),
         rows_per_local_expert=count_table_WE[:, mine].sum(0).tolist(),
     )
+
+
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """(n,) int64 on ``device`` without waiting for the device: a plain
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks
+    until the GPU has drained its queue."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.init import trunc_normal_
 
 
@@ -62,6 +63,13 @@ class TopKRouter(nn.Module):
         self.num_limited_groups = num_limited_groups
         self.force_load_balance = force_load_balance
 
+    def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE = self.gate(x_TD)
+        # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
+        if self.score_func == "sigmoid":
+            return torch.sigmoid(logits_TE.float())
+        return F.softmax(logits_TE.float(), dim=1)
+
     def _limit_groups(self, scores_for_choice_TE: torch.Tensor) -> torch.Tensor:
         grouped_TGe = scores_for_choice_TE.unflatten(-1, (self.num_expert_groups, -1))
         group_scores_TG = grouped_TGe.topk(2, dim=-1).values.sum(dim=-1)
@@ -80,12 +88,8 @@ class TopKRouter(nn.Module):
         """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``. A given ``topk_idx_TK``
         replaces the selection (replaying another layer's routing, e.g. in an fp32
         reference); the scores are still computed from ``x``."""
-        logits_TE = self.gate(x_TD)
-        # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
-        if self.score_func == "sigmoid":
-            scores_TE = torch.sigmoid(logits_TE.float())
-        else:
-            scores_TE = F.softmax(logits_TE.float(), dim=1)
+        # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
+        scores_TE = in_fixed_row_blocks(self._scores, x_TD)
 
         if topk_idx_TK is None and self.force_load_balance:
             n = x_TD.shape[0]

@@ -36,6 +36,7 @@ from uniep.kernels.gemm_combine import gemm_combine
 from uniep.kernels.grouped_gemm import DUAL, PLAIN, SWIGLU_BWD, SWIGLU_FWD, GemmTiles, tile_offsets
 from uniep.kernels.combine import topk_combine_bwd
 from uniep.kernels.wgrad import grouped_wgrad
+from uniep.plan import device_ints
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,6 @@ _REGIONS = {
     "a_row": torch.int32, "scale": torch.float32, "origin": torch.int32, "row_flag": torch.int32,
 }
 _ROW_REGIONS = ("a_row", "scale", "origin", "row_flag")
-
-
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """(n,) int64 on ``device`` without waiting for the device: a plain
-    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks
-    until the GPU has drained its queue."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -1,0 +1,30 @@
+"""Router scores and shared experts give each token the same bits whatever the number of
+rows around it (what expert parallelism needs: the batch is split across ranks)."""
+
+import pytest
+import torch
+
+from uniep import UniEPMoE
+from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, in_fixed_row_blocks
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_scores_and_shared_experts_do_not_depend_on_the_batch(score_func):
+    torch.manual_seed(0)
+    layer = UniEPMoE(24, 40, 8, 2, num_shared_experts=1, score_func=score_func)
+    layer.init_weights(0.02)
+    x = torch.randn(300, 24)  # more than one block, not a multiple of it
+    with torch.no_grad():
+        for fn in (lambda t: layer.router(t, layer.expert_bias)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t)):
+            whole = fn(x)
+            for size in (1, 10, 77):
+                assert torch.equal(torch.cat([fn(part) for part in x.split(size)]), whole), size
+
+
+def test_blocks_keep_values_shapes_and_gradients():
+    x = torch.randn(DEFAULT_ROWS_PER_BLOCK + 3, 5, requires_grad=True)
+    out = in_fixed_row_blocks(lambda t: t * 3.0 + 1.0, x)
+    assert out.shape == x.shape and torch.equal(out, x * 3.0 + 1.0)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    assert in_fixed_row_blocks(lambda t: t + 1, torch.empty(0, 5)).shape == (0, 5)
