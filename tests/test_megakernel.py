@@ -49,6 +49,9 @@ def test_sends_against_brute_force(kind, W, T, K, E):
         assert got == want
     owners = {(s, t, places[(s, t, k)][0]) for s in range(W) for t in range(T) for k in range(K)}
     assert seen == owners
+    # without relay dedup every pair is its own send
+    plain = build_sends(torch.cat(topk), torch.rand(W * T, K, generator=gen), [T] * W, table, 0, 16, relay_dedup=False)
+    assert int(plain.num_sends) == W * T * K and int(plain.num_sends) >= n
     # push order: an owner's lower experts first
     lowest = [min(int(topk[int(sends.src[i])][int(sends.token[i]), k]) % (E // W)
                   for k in range(K) if int(sends.pairs[i][k]) >= 0) for i in range(n)]
@@ -116,7 +119,8 @@ def test_schedule_knobs_do_not_change_bits():
         return run_grads(fn, leaves, grad)
 
     first = with_schedule(schedule())
-    for knobs in (dict(sends_per_task=1, tokens_per_task=32), dict(sends_per_task=64, tokens_per_task=1)):
+    for knobs in (dict(sends_per_task=1, tokens_per_task=32), dict(sends_per_task=64, tokens_per_task=1),
+                  dict(relay_dedup=False)):
         again = with_schedule(schedule(**knobs))
         assert all(torch.equal(a, b) for a, b in zip(first, again)), knobs
     tiles = GemmTiles(16, 16, 16, num_programs=1)

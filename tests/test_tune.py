@@ -17,7 +17,9 @@ QWEN3 = MoEShape(dim=2048, hidden=768, experts=128, top_k=8)
 def test_space_size_and_description():
     assert len(full_space()) == math.prod(len(v) for v in CHOICES.values()) == 62208
     text = describe()
-    assert "size: 62208 points" in text and "gemm_block_n       64, 128, 256" in text
+    assert "size: 62208 points" in text and "gemm_block_n               64, 128, 256" in text
+    assert "megakernel_relay_dedup     True, False" in text
+    assert f"size with them: {62208 * (1 + 5 * 5 * 2)} points" in text
 
 
 def test_feasibility_rejects_points_over_shared_memory():

@@ -83,6 +83,10 @@ class UniEPConfig:
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""
     megakernel_tokens_per_task: int = 16
     """Megakernel: tokens per combine task (1..256, power of 2). Does not change bits."""
+    megakernel_relay_dedup: bool = True
+    """Megakernel: a token routed to several experts of one rank crosses to it once and
+    feeds all its rows there (True), or once per expert (False: more traffic; for
+    comparison). Does not change bits."""
     megakernel_max_spins: int = 1 << 24
     """Megakernel: polls of a ready flag before the wait gives up and the layer raises
     an error naming the rank, stage and flag (a peer that never signals; about 10 s

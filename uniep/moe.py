@@ -300,7 +300,7 @@ class UniEPMoE(nn.Module):
             count_table = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)
         gemm, up, wgrad, wgrad_up = _tiles(c)
         schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
-                            c.megakernel_tokens_per_task, c.megakernel_max_spins)
+                            c.megakernel_tokens_per_task, c.megakernel_max_spins, c.megakernel_relay_dedup)
         return megakernel_experts(
             x_TD, top_scores_TK, topk_idx_TK, tokens_per_sender, count_table, *self.experts.local_weights(),
             peers, schedule,

@@ -51,6 +51,7 @@ class Schedule:
     sends_per_task: int = 16
     tokens_per_task: int = 16
     max_spins: int = 1 << 24
+    relay_dedup: bool = True
 
 
 # Buffer regions of one rank: name -> (rows-kind, dtype or None for the activation dtype).
@@ -240,10 +241,12 @@ def build_sends(
     count_table_WE: torch.Tensor,
     rank0: int,
     tokens_cap: int,
+    relay_dedup: bool = True,
 ) -> Sends:
     """The sends of senders ``rank0, rank0 + 1, ...`` whose routings are concatenated in
     ``topk_TK`` (T, K) (``tokens_per_sender`` rows each), rows placed by Algorithm 1 over
-    the all-gathered ``count_table_WE`` (W, E)."""
+    the all-gathered ``count_table_WE`` (W, E). Without ``relay_dedup`` every pair is
+    its own send."""
     T, K = topk_TK.shape
     W, E = count_table_WE.shape
     El = E // W
@@ -268,6 +271,8 @@ def build_sends(
     # One send per (token, owner): the token's first pair for that owner carries all of them.
     dest_TK = topk_TK // El
     same_owner = dest_TK[:, :, None] == dest_TK[:, None, :]  # (T, K, K): pairs k and j share an owner
+    if not relay_dedup:
+        same_owner = same_owner & torch.eye(K, dtype=torch.bool, device=device)
     earlier = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
     first = ~(same_owner & earlier).any(-1).reshape(-1)
     # Every pair is a candidate send; the others sort to the end (no host sync for S).
@@ -463,7 +468,8 @@ def megakernel_experts(
     rows_per_owner = [sum(sum(counts[d * El:(d + 1) * El]) for counts in table) for d in range(W)]
     peers.prepare(max(tokens_per_rank), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)
     scores_TK = scores_TK.float().contiguous()
-    sends = build_sends(topk_TK, scores_TK, tokens_per_sender, count_table_WE, peers.rank0, peers.tokens_cap)
+    sends = build_sends(topk_TK, scores_TK, tokens_per_sender, count_table_WE, peers.rank0, peers.tokens_cap,
+                        schedule.relay_dedup)
     rows = owner_rows(count_table_WE, rows_per_owner, peers.rank0, peers.local_ranks, schedule.gemm.block_m,
                       peers.world * peers.tokens_cap)
     launch = Launch(peers, sends, rows, schedule, score_before_experts)

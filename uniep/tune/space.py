@@ -30,6 +30,16 @@ CHOICES: dict[str, tuple[int, ...]] = {
 }
 KNOBS = tuple(CHOICES)
 
+# Expert-parallel knobs (EP > 1): how rows move and how the megakernel splits its work.
+# None changes bits. The cost model ranks the kernel knobs above; these are chosen by
+# measurement (scripts/bench_moe.py --ep, scripts/bench_ep.py).
+TRANSPORT_CHOICES: dict[str, tuple] = {
+    "transport": ("all_to_all", "megakernel"),
+    "megakernel_sends_per_task": (4, 8, 16, 32, 64),
+    "megakernel_tokens_per_task": (4, 8, 16, 32, 64),
+    "megakernel_relay_dedup": (True, False),
+}
+
 # Accumulator registers per thread above which a tile spills (fp32, of 255 per thread).
 MAX_ACC_REGS_PER_THREAD = 128
 
@@ -83,9 +93,15 @@ def feasible(space: Space, smem_limit: int) -> np.ndarray:
 
 def describe() -> str:
     """The space, knob by knob, and its size."""
-    lines = ["UniEP schedule space (kernel knobs of UniEPConfig):"]
+    lines = ["UniEP schedule space (kernel knobs of UniEPConfig, ranked by the cost model):"]
     for k, vals in CHOICES.items():
-        lines.append(f"  {k:18s} {', '.join(map(str, vals))}")
+        lines.append(f"  {k:26s} {', '.join(map(str, vals))}")
     size = len(full_space())
     lines.append(f"size: {size} points (before the device's shared-memory and register limits)")
+    lines.append("expert-parallel knobs (EP > 1; chosen by measurement, none changes bits):")
+    transport_size = 1 + int(np.prod([len(v) for k, v in TRANSPORT_CHOICES.items() if k != "transport"]))
+    for k, vals in TRANSPORT_CHOICES.items():
+        lines.append(f"  {k:26s} {', '.join(map(str, vals))}")
+    lines.append(f"size with them: {size * transport_size} points "
+                 f"(all_to_all, or the megakernel with {transport_size - 1} settings)")
     return "\n".join(lines)
