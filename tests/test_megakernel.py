@@ -204,3 +204,76 @@ def test_megakernel_config_errors():
     layer = UniEPMoE(16, 8, 6, 2, config=UniEPConfig(transport="megakernel", virtual_ranks=4))
     with pytest.raises(ValueError, match="num_experts = 6 is not divisible by the expert-parallel degree 4"):
         layer(torch.randn(1, 4, 16))
+
+
+class _FakeGroup:
+    group_name = "uniep-test"
+
+
+def _real_rank_worker(rank, world, shared, barrier, result_path, score_before):
+    """One rank of a real (non-virtual) launch: its peers' buffers are the other
+    processes' shared-memory buffers, mapped at other addresses here, as symmetric memory
+    maps peer GPUs' buffers."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    class Handle:
+        buffer_ptrs = [b.data_ptr() for b in shared]
+
+        def barrier(self):
+            barrier.wait()
+
+    symm_mem.empty = lambda total, dtype, device: shared[rank][:total]
+    symm_mem.rendezvous = lambda buffer, group_name: Handle()
+    W, T, K, E = world, 7, 3, 8
+    gen = torch.Generator().manual_seed(11)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
+    table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+    mine, El = slice(rank * T, (rank + 1) * T), E // W
+    x, scores = leaves[0][mine], leaves[1][mine]
+    weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
+    peers = PeerBuffers(W, rank, 1, _FakeGroup())
+
+    def megakernel(x, s, w1, w2, w3):
+        return megakernel_experts(x, s, topk[mine], [T], table, w1, w2, w3, peers, schedule(max_spins=1 << 22),
+                                  score_before_experts=score_before)
+
+    got = run_grads(megakernel, [x, scores, *weights], grad[mine])
+    peers.raise_pending_errors()
+    torch.save(got, f"{result_path}.{rank}")
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_real_ranks_in_two_processes_match_one_rank(score_before, tmp_path):
+    """The real peer path (one rank per launch, peers through per-region offsets from the
+    local base, pushes, flags and returns across processes, the backward too) against
+    the one-rank fused kernels, bitwise."""
+    import torch.multiprocessing as mp
+
+    W, T, K, E = 2, 7, 3, 8
+    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(W)]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(W)
+    procs = [ctx.Process(target=_real_rank_worker, args=(r, W, shared, barrier, str(tmp_path / "r"), score_before))
+             for r in range(W)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * W
+
+    gen = torch.Generator().manual_seed(11)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
+    order = torch.argsort(topk.reshape(-1), stable=True)
+
+    def one_rank(x, s, w1, w2, w3):
+        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
+                             tiles=TILES, wgrad_tiles=TILES)
+
+    reference = run_grads(one_rank, leaves, grad)
+    parts = [torch.load(tmp_path / f"r.{r}") for r in range(W)]
+    El = E // W
+    for i, name in enumerate(["out", "x", "scores"]):
+        assert torch.equal(torch.cat([p[i] for p in parts]), reference[i]), name
+    for i, name in enumerate(["w1", "w2", "w3"], start=3):
+        for r in range(W):
+            assert torch.equal(parts[r][i], reference[i][r * El:(r + 1) * El]), (name, r)

@@ -307,13 +307,15 @@ class OwnerRows:
     tile_offsets: torch.Tensor
     """(local_ranks * El + 1,) int32 row tiles of ``block_m`` rows."""
     rows_per_owner: list[int]
+    """(W,) rows of every rank (all owners, not only this launch's)."""
     landing_row: torch.Tensor
     """(R,) int64: first landing row of each row's owner in the launch's landing view."""
     experts_per_rank: int
 
     @property
     def num_rows(self) -> int:
-        return sum(self.rows_per_owner)
+        """R: the rows of this launch's owners."""
+        return self.landing_row.numel()
 
 
 def owner_rows(count_table_WE: torch.Tensor, rows_per_owner: list[int], rank0: int, local_ranks: int,
