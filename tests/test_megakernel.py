@@ -210,7 +210,7 @@ class _FakeGroup:
     group_name = "uniep-test"
 
 
-def _real_rank_worker(rank, world, shared, barrier, result_path, score_before):
+def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
     """One rank of a real (non-virtual) launch: its peers' buffers are the other
     processes' shared-memory buffers, mapped at other addresses here, as symmetric memory
     maps peer GPUs' buffers."""
@@ -224,9 +224,9 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before):
 
     symm_mem.empty = lambda total, dtype, device: shared[rank][:total]
     symm_mem.rendezvous = lambda buffer, group_name: Handle()
-    W, T, K, E = world, 7, 3, 8
+    W, T, K, E = world, 7, 2, 8
     gen = torch.Generator().manual_seed(11)
-    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
     table = torch.stack([local_counts(t, E) for t in topk.split(T)])
     mine, El = slice(rank * T, (rank + 1) * T), E // W
     x, scores = leaves[0][mine], leaves[1][mine]
@@ -242,19 +242,22 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before):
     torch.save(got, f"{result_path}.{rank}")
 
 
-@pytest.mark.parametrize("score_before", [False, True])
-def test_real_ranks_in_two_processes_match_one_rank(score_before, tmp_path):
+@pytest.mark.parametrize(
+    "W, kind, score_before",
+    [(2, "random", False), (2, "random", True), (2, "one_rank", False), (4, "random", False)],
+)
+def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path):
     """The real peer path (one rank per launch, peers through per-region offsets from the
     local base, pushes, flags and returns across processes, the backward too) against
-    the one-rank fused kernels, bitwise."""
+    the one-rank fused kernels, bitwise; "one_rank": every token on rank 0's experts."""
     import torch.multiprocessing as mp
 
-    W, T, K, E = 2, 7, 3, 8
+    T, K, E = 7, 2, 8
     shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(W)]
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(W)
-    procs = [ctx.Process(target=_real_rank_worker, args=(r, W, shared, barrier, str(tmp_path / "r"), score_before))
-             for r in range(W)]
+    args = (W, shared, barrier, str(tmp_path / "r"), score_before, kind)
+    procs = [ctx.Process(target=_real_rank_worker, args=(r, *args)) for r in range(W)]
     for p in procs:
         p.start()
     for p in procs:
@@ -262,7 +265,7 @@ def test_real_ranks_in_two_processes_match_one_rank(score_before, tmp_path):
     assert [p.exitcode for p in procs] == [0] * W
 
     gen = torch.Generator().manual_seed(11)
-    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
     order = torch.argsort(topk.reshape(-1), stable=True)
 
     def one_rank(x, s, w1, w2, w3):
