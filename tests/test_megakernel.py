@@ -210,10 +210,9 @@ class _FakeGroup:
     group_name = "uniep-test"
 
 
-def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
-    """One rank of a real (non-virtual) launch: its peers' buffers are the other
-    processes' shared-memory buffers, mapped at other addresses here, as symmetric memory
-    maps peer GPUs' buffers."""
+def _map_peers(rank, shared, barrier):
+    """Symmetric memory stand-in: the processes' shared-memory buffers, each mapped at
+    its own address in every process, as symmetric memory maps peer GPUs' buffers."""
     import torch.distributed._symmetric_memory as symm_mem
 
     class Handle:
@@ -224,6 +223,12 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, k
 
     symm_mem.empty = lambda total, dtype, device: shared[rank][:total]
     symm_mem.rendezvous = lambda buffer, group_name: Handle()
+
+
+def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
+    """One rank of a real (non-virtual) launch; with kind "silent", rank 1 sets up its
+    buffers and never launches, and rank 0 saves the error it gets."""
+    _map_peers(rank, shared, barrier)
     W, T, K, E = world, 7, 2, 8
     gen = torch.Generator().manual_seed(11)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
@@ -232,11 +237,22 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, k
     x, scores = leaves[0][mine], leaves[1][mine]
     weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
     peers = PeerBuffers(W, rank, 1, _FakeGroup())
+    silent = kind == "silent"
+    if silent and rank == 1:
+        peers.prepare(T, K, table.view(W, W, El).sum((0, 2)).tolist(), x.shape[1], x.dtype, x.device)
+        return
 
     def megakernel(x, s, w1, w2, w3):
-        return megakernel_experts(x, s, topk[mine], [T], table, w1, w2, w3, peers, schedule(max_spins=1 << 22),
-                                  score_before_experts=score_before)
+        return megakernel_experts(x, s, topk[mine], [T], table, w1, w2, w3, peers,
+                                  schedule(max_spins=200 if silent else 1 << 22), score_before_experts=score_before)
 
+    if silent:
+        megakernel(x, scores, *weights)
+        try:
+            peers.raise_pending_errors()
+        except MegakernelWaitError as e:
+            torch.save(str(e), f"{result_path}.error")
+        return
     got = run_grads(megakernel, [x, scores, *weights], grad[mine])
     peers.raise_pending_errors()
     torch.save(got, f"{result_path}.{rank}")
@@ -244,12 +260,13 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, k
 
 @pytest.mark.parametrize(
     "W, kind, score_before",
-    [(2, "random", False), (2, "random", True), (2, "one_rank", False), (4, "random", False)],
+    [(2, "random", False), (2, "random", True), (2, "one_rank", False), (4, "random", False), (2, "silent", False)],
 )
 def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path):
     """The real peer path (one rank per launch, peers through per-region offsets from the
     local base, pushes, flags and returns across processes, the backward too) against
-    the one-rank fused kernels, bitwise; "one_rank": every token on rank 0's experts."""
+    the one-rank fused kernels, bitwise; "one_rank": every token on rank 0's experts;
+    "silent": rank 1 never launches, and rank 0 gets the wait error instead of hanging."""
     import torch.multiprocessing as mp
 
     T, K, E = 7, 2, 8
@@ -264,6 +281,10 @@ def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path)
         p.join(timeout=300)
     assert [p.exitcode for p in procs] == [0] * W
 
+    if kind == "silent":
+        message = torch.load(tmp_path / "r.error")
+        assert "megakernel forward: rank 0 timed out in dispatch" in message and "row flag of owner row" in message
+        return
     gen = torch.Generator().manual_seed(11)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
     order = torch.argsort(topk.reshape(-1), stable=True)
