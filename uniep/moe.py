@@ -284,7 +284,11 @@ class UniEPMoE(nn.Module):
     def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
         """(T, D) routed-expert output on the two megakernels: over the real EP group,
         or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
-        from uniep.transport.megakernel import Schedule, megakernel_experts, virtual_peers
+        from uniep.transport.megakernel import (
+            Schedule,
+            megakernel_experts,
+            virtual_peers,
+        )
 
         T = topk_idx_TK.shape[0]
         if transport.ep_size > 1:

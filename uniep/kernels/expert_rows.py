@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from uniep.kernels.grouped_gemm import DUAL, PLAIN, SWIGLU_BWD, SWIGLU_FWD, GemmTiles, grouped_gemm, tile_offsets
+from uniep.kernels.grouped_gemm import (
+    DUAL,
+    PLAIN,
+    SWIGLU_BWD,
+    SWIGLU_FWD,
+    GemmTiles,
+    grouped_gemm,
+    tile_offsets,
+)
 from uniep.kernels.wgrad import grouped_wgrad
 
 

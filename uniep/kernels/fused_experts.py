@@ -38,7 +38,6 @@ from uniep.kernels.grouped_gemm import (
 )
 from uniep.kernels.wgrad import grouped_wgrad
 
-
 # Tile settings travel through the custom ops as a flat list of ints: for each of the
 # four tile sets (tiles, up_tiles, wgrad_tiles, wgrad_up_tiles), these fields in order.
 _TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs")

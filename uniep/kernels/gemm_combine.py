@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from uniep.kernels.flags import _STAGE_COMBINE, publish_flags, wait_flags
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, _tile_accumulate, _tile_coords, _weight_view
+from uniep.kernels.grouped_gemm import (
+    GemmTiles,
+    _num_programs,
+    _tile_accumulate,
+    _tile_coords,
+    _weight_view,
+)
 
 
 @triton.jit

@@ -28,13 +28,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
+from uniep.kernels.combine import topk_combine_bwd
 from uniep.kernels.dispatch_gemm import dispatch_gemm
 from uniep.kernels.flags import raise_on_error
 from uniep.kernels.gemm_combine import gemm_combine
-from uniep.kernels.grouped_gemm import DUAL, PLAIN, SWIGLU_BWD, SWIGLU_FWD, GemmTiles, tile_offsets
-from uniep.kernels.combine import topk_combine_bwd
+from uniep.kernels.grouped_gemm import (
+    DUAL,
+    PLAIN,
+    SWIGLU_BWD,
+    SWIGLU_FWD,
+    GemmTiles,
+    tile_offsets,
+)
 from uniep.kernels.wgrad import grouped_wgrad
 from uniep.plan import device_ints
 

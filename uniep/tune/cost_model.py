@@ -28,6 +28,7 @@ from uniep.tune.cache import MoEShape
 from uniep.tune.device import DeviceSpec
 from uniep.tune.space import Space
 
+
 @dataclass(frozen=True)
 class Calibration:
     """The model's constants, fitted to measured layer times by

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass
+
 import torch
 
 from uniep.tune.cache import cache_dir
