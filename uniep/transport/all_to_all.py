@@ -39,13 +39,10 @@ class AllToAllTransport:
         self.ep_rank = dist.get_rank(group)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        # gloo gathers host tensors (a CUDA layer over a gloo group: tests on one GPU)
-        on_host = dist.get_backend(self.group) == "gloo"
-        local = counts_E.cpu() if on_host else counts_E.contiguous()
         # Flat output: gloo accepts only a 1-D (W*E,) buffer here.
-        table = local.new_empty(self.ep_size * counts_E.numel())
-        dist.all_gather_into_tensor(table, local, group=self.group)
-        return table.view(self.ep_size, -1).to(counts_E.device)
+        table = counts_E.new_empty(self.ep_size * counts_E.numel())
+        dist.all_gather_into_tensor(table, counts_E.contiguous(), group=self.group)
+        return table.view(self.ep_size, -1)
 
     def dispatch(self, rows_PD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         arrived = _Exchange.apply(rows_PD, plan.recv_splits, plan.send_splits, self.group)

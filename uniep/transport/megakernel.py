@@ -24,7 +24,7 @@ bitwise those of the sequential execution for any schedule and any W.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -215,6 +215,7 @@ class Sends:
     token_count: torch.Tensor
     tokens_per_sender: list[int]
     rank0: int
+    _combine_tasks: dict = field(default_factory=dict, repr=False)
 
     @property
     def capacity(self) -> int:
@@ -226,7 +227,13 @@ class Sends:
         return sum(self.tokens_per_sender)
 
     def combine_tasks(self, tokens_per_task: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sender rank, first token) of every combine task, (n,) int32 each."""
+        """(sender rank, first token) of every combine task, (n,) int32 each; built once
+        per call (the forward and the backward launch share them)."""
+        if tokens_per_task not in self._combine_tasks:
+            self._combine_tasks[tokens_per_task] = self._build_combine_tasks(tokens_per_task)
+        return self._combine_tasks[tokens_per_task]
+
+    def _build_combine_tasks(self, tokens_per_task: int) -> tuple[torch.Tensor, torch.Tensor]:
         tasks = [-(-t // tokens_per_task) for t in self.tokens_per_sender]
         device = self.src.device
         first_task = device_ints([sum(tasks[:i]) for i in range(len(tasks))], device)
