@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = Trainer(job_config)
         trainer.train()
+        # TorchTitan's rank 0 sleeps after the last step while the others go on to tear
+        # down the process group; gloo then aborted a rank in CI. Leave together.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
     finally:
         if trainer is not None:
             trainer.close()
