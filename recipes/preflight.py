@@ -101,8 +101,9 @@ def check_job(job_config, train_spec, world_size: int) -> None:
 
 
 def check_megakernel_placement(ep: int) -> None:
-    """The megakernel reaches its peers through symmetric memory: CUDA GPUs of one node,
-    so the expert-parallel group (consecutive ranks) must fit in a node."""
+    """The megakernel reaches its peers through symmetric memory: CUDA GPUs of one node.
+    The expert-parallel group (consecutive ranks) must fit in a node or be whole nodes
+    (then the hierarchical transport joins the nodes with an all-to-all)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -111,11 +112,11 @@ def check_megakernel_placement(ep: int) -> None:
             "use uniep.transport = 'all_to_all'"
         )
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    if ep > per_node or per_node % ep:
+    if per_node % ep and ep % per_node:
         raise PreflightError(
-            f"uniep.transport = 'megakernel' needs the expert-parallel group inside one node: "
-            f"parallelism.expert_parallel_degree = {ep} must divide the {per_node} processes per node "
-            "(or use uniep.transport = 'all_to_all')"
+            f"uniep.transport = 'megakernel' needs the expert-parallel group inside one node or made of "
+            f"whole nodes: parallelism.expert_parallel_degree = {ep} must divide or be a multiple of the "
+            f"{per_node} processes per node (or use uniep.transport = 'all_to_all')"
         )
 
 

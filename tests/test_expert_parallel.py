@@ -1,6 +1,8 @@
 """Expert parallelism over gloo: one global batch, split across W processes in rank
 order, gives the same output, input gradient and expert-weight gradients as one
-process with the whole batch."""
+process with the whole batch. The megakernel runs with two processes per "node"
+(shared-memory buffers standing in for symmetric memory): one node at W = 2, the
+hierarchical transport over two nodes at W = 4."""
 
 import os
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.test_megakernel import map_peers
 from uniep import UniEPConfig, UniEPMoE
 
 DIM, HIDDEN, E = 24, 40, 8
@@ -22,14 +25,16 @@ ROUTERS = {
 # The Triton backend at interpreter-friendly tile sizes.
 TRITON = dict(backend="triton", gemm_block_m=16, gemm_block_n=16, gemm_up_block_n=16, gemm_block_k=16,
               wgrad_block_m=16, wgrad_block_n=16, wgrad_up_block_n=16, wgrad_block_k=16, num_programs=2)
+MEGAKERNEL = dict(TRITON, transport="megakernel", megakernel_sends_per_task=4, megakernel_tokens_per_task=4)
+PROCESSES_PER_NODE = 2
 
 
 def make_layer(router, seed, backend="torch"):
     torch.manual_seed(seed)
     layer = UniEPMoE(DIM, HIDDEN, E, **ROUTERS[router])
     layer.init_weights(0.02)
-    if backend == "triton":
-        layer.config = UniEPConfig(**TRITON)
+    if backend in ("triton", "megakernel"):
+        layer.config = UniEPConfig(**(TRITON if backend == "triton" else MEGAKERNEL))
     return layer
 
 
@@ -51,15 +56,26 @@ def fwd_bwd(layer, x, grad_out, skew):
     return out.detach(), x.grad, w_grads
 
 
-def _worker(rank, world, store_path, router, seed, skew, result_path, backend):
+def _worker(rank, world, store_path, router, seed, skew, result_path, backend, shared, barrier):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if backend == "megakernel":
+        L = PROCESSES_PER_NODE
+        os.environ["LOCAL_WORLD_SIZE"] = str(L)
+        map_peers(rank % L, shared[rank // L * L:(rank // L + 1) * L], barrier)
     try:
         layer = make_layer(router, seed, backend)
         layer.keep_local_experts(dist.group.WORLD)
         x, grad_out, _ = make_batch(seed, 2 * world, skew)
         mine = slice(2 * rank, 2 * rank + 2)
         out, gx, w_grads = fwd_bwd(layer, x[mine], grad_out[mine], skew)
+        if backend == "megakernel":
+            from uniep.transport import _MEGAKERNEL_TRANSPORTS
+
+            (transport,) = _MEGAKERNEL_TRANSPORTS.values()
+            hierarchical = world > PROCESSES_PER_NODE
+            assert type(transport).__name__ == ("HierarchicalTransport" if hierarchical else "MegakernelTransport")
+            transport.peers.raise_pending_errors()
         torch.save({"out": out, "x_grad": gx, "w_grads": w_grads}, f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -67,9 +83,11 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend):
 
 def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
     result = str(tmp_path / f"ep{world}")
+    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
     mp.start_processes(
         _worker,
-        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend),
+        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared,
+              mp.get_context("spawn").Barrier(world)),
         nprocs=world,
         start_method="spawn",
     )
@@ -91,6 +109,10 @@ def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
         # Triton experts over all_to_all against the one-rank fused kernels
         (2, "qwen3", False, "triton"),
         (4, "score_before", True, "triton"),
+        # the megakernel (one node) and the hierarchical transport (two nodes)
+        (2, "qwen3", False, "megakernel"),
+        (4, "deepseek_v3", False, "megakernel"),
+        (4, "score_before", True, "megakernel"),
     ],
 )
 def test_ep_matches_one_process_bitwise(world, router, skew, backend, tmp_path):

@@ -197,7 +197,7 @@ def test_megakernel_config_errors():
         UniEPConfig(transport="megakernel", megakernel_sends_per_task=3)
     with pytest.raises(UniEPConfigError, match="megakernel_max_spins = 0"):
         UniEPConfig(megakernel_max_spins=0)
-    with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs of one node"):
+    with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs; got device"):
         UniEPConfig(transport="megakernel").resolved_backend("cpu", 2)
     assert UniEPConfig(transport="megakernel").resolved_backend("cpu", 1) in ("torch", "triton")
     assert UniEPConfig(transport="megakernel", backend="torch").resolved_backend("cpu", 2) == "torch"
@@ -210,25 +210,42 @@ class _FakeGroup:
     group_name = "uniep-test"
 
 
-def _map_peers(rank, shared, barrier):
-    """Symmetric memory stand-in: the processes' shared-memory buffers, each mapped at
-    its own address in every process, as symmetric memory maps peer GPUs' buffers."""
+def map_peers(index, buffers, barrier):
+    """Symmetric memory stand-in: the processes' shared-memory ``buffers`` (one per rank
+    of the group, this process's at ``index``), each mapped at its own address in every
+    process, as symmetric memory maps peer GPUs' buffers."""
     import torch.distributed._symmetric_memory as symm_mem
 
     class Handle:
-        buffer_ptrs = [b.data_ptr() for b in shared]
+        buffer_ptrs = [b.data_ptr() for b in buffers]
 
         def barrier(self):
             barrier.wait()
 
-    symm_mem.empty = lambda total, dtype, device: shared[rank][:total]
+    symm_mem.empty = lambda total, dtype, device: buffers[index][:total]
     symm_mem.rendezvous = lambda buffer, group_name: Handle()
+
+
+def spawn_ranks(worker, world, *args, timeout=300):
+    """Run ``worker(rank, world, shared, barrier, *args)`` in ``world`` processes:
+    ``shared`` holds one shared-memory buffer per rank, ``barrier`` is for all of them."""
+    import torch.multiprocessing as mp
+
+    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    procs = [ctx.Process(target=worker, args=(r, world, shared, barrier, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    assert [p.exitcode for p in procs] == [0] * world
 
 
 def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
     """One rank of a real (non-virtual) launch; with kind "silent", rank 1 sets up its
     buffers and never launches, and rank 0 saves the error it gets."""
-    _map_peers(rank, shared, barrier)
+    map_peers(rank, shared, barrier)
     W, T, K, E = world, 7, 2, 8
     gen = torch.Generator().manual_seed(11)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
@@ -267,25 +284,20 @@ def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path)
     local base, pushes, flags and returns across processes, the backward too) against
     the one-rank fused kernels, bitwise; "one_rank": every token on rank 0's experts;
     "silent": rank 1 never launches, and rank 0 gets the wait error instead of hanging."""
-    import torch.multiprocessing as mp
-
     T, K, E = 7, 2, 8
-    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(W)]
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(W)
-    args = (W, shared, barrier, str(tmp_path / "r"), score_before, kind)
-    procs = [ctx.Process(target=_real_rank_worker, args=(r, *args)) for r in range(W)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0] * W
+    spawn_ranks(_real_rank_worker, W, str(tmp_path / "r"), score_before, kind)
 
     if kind == "silent":
         message = torch.load(tmp_path / "r.error")
         assert "megakernel forward: rank 0 timed out in dispatch" in message and "row flag of owner row" in message
         return
-    gen = torch.Generator().manual_seed(11)
+    assert_parts_match_one_rank([torch.load(tmp_path / f"r.{r}") for r in range(W)], W, T, K, E, kind, score_before)
+
+
+def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
+    """Each rank's (out, grad x, grad scores, grad w1, w2, w3) of its share of the batch
+    made by ``make_inputs`` (ranks in order) against the one-rank fused path, bitwise."""
+    gen = torch.Generator().manual_seed(seed)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
     order = torch.argsort(topk.reshape(-1), stable=True)
 
@@ -294,7 +306,6 @@ def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path)
                              tiles=TILES, wgrad_tiles=TILES)
 
     reference = run_grads(one_rank, leaves, grad)
-    parts = [torch.load(tmp_path / f"r.{r}") for r in range(W)]
     El = E // W
     for i, name in enumerate(["out", "x", "scores"]):
         assert torch.equal(torch.cat([p[i] for p in parts]), reference[i]), name

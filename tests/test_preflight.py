@@ -134,3 +134,21 @@ def test_shipped_configs_parse(config):
     spec = get_train_spec(job.model.name)
     moe_args = spec.model_args[job.model.flavor].moe_args
     assert moe_args.num_experts % job.parallelism.expert_parallel_degree == 0
+
+
+def test_megakernel_placement(monkeypatch):
+    """The expert-parallel group of the megakernel fits in a node or is whole nodes."""
+    import torch
+
+    from recipes.preflight import PreflightError, check_megakernel_placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PreflightError, match="needs CUDA GPUs"):
+        check_megakernel_placement(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for ep in (2, 4, 8, 16, 32):
+        check_megakernel_placement(ep)
+    for ep in (3, 6, 12):
+        with pytest.raises(PreflightError, match=f"expert_parallel_degree = {ep} must divide or be a multiple of the 8"):
+            check_megakernel_placement(ep)

@@ -44,8 +44,9 @@ class UniEPConfig:
     """How rows move between expert-parallel ranks. ``all_to_all``: torch.distributed
     all-to-all of rows in plan order (NCCL on GPU, gloo on CPU), experts on the chosen
     backend. ``megakernel``: dispatch, expert MLP and combine in two fused Triton
-    launches over symmetric-memory peer buffers (CUDA GPUs of one node). Both give the
-    same bits. Ignored when the expert-parallel degree is 1 (unless ``virtual_ranks``)."""
+    launches over symmetric-memory peer buffers (CUDA GPUs); a group of several nodes
+    joins them with an inter-node all-to-all (hierarchical). Both give the same bits.
+    Ignored when the expert-parallel degree is 1 (unless ``virtual_ranks``)."""
 
     gemm_block_m: int = 128
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
@@ -153,11 +154,11 @@ class UniEPConfig:
         """The compute path used on ``device_type`` ("cpu", "cuda", ...) at an
         expert-parallel degree of ``ep_size``: "torch", "triton" or "megakernel"."""
         if self.transport == "megakernel" and (ep_size > 1 or self.virtual_ranks > 1) and self.backend != "torch":
-            # virtual ranks also run under the Triton interpreter; real peers need CUDA
-            interpreted = ep_size == 1 and os.environ.get("TRITON_INTERPRET") == "1"
+            # the Triton interpreter runs it on the CPU (tests); real use needs CUDA
+            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
             if device_type != "cuda" and not interpreted:
                 raise UniEPConfigError(
-                    f"transport = 'megakernel' runs on CUDA GPUs of one node; got device {device_type!r} "
+                    f"transport = 'megakernel' runs on CUDA GPUs; got device {device_type!r} "
                     "(use transport = 'all_to_all', or backend = 'torch')"
                 )
             return "megakernel"

@@ -284,12 +284,21 @@ class UniEPMoE(nn.Module):
     def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
         """(T, D) routed-expert output on the two megakernels: over the real EP group,
         or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
+        from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_megakernel_experts
         from uniep.transport.megakernel import (
             Schedule,
             megakernel_experts,
             virtual_peers,
         )
 
+        gemm, up, wgrad, wgrad_up = _tiles(c)
+        schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
+                            c.megakernel_tokens_per_task, c.megakernel_max_spins, c.megakernel_relay_dedup)
+        if isinstance(transport, HierarchicalTransport):
+            return hierarchical_megakernel_experts(
+                x_TD, top_scores_TK, topk_idx_TK, *self.experts.local_weights(), transport, schedule,
+                score_before_experts=self.score_before_experts,
+            )
         T = topk_idx_TK.shape[0]
         if transport.ep_size > 1:
             peers, tokens_per_sender = transport.peers, [T]
@@ -302,9 +311,6 @@ class UniEPMoE(nn.Module):
             )
             pair_keys = (sender[:, None] * self.num_experts + topk_idx_TK).reshape(-1)
             count_table = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)
-        gemm, up, wgrad, wgrad_up = _tiles(c)
-        schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
-                            c.megakernel_tokens_per_task, c.megakernel_max_spins, c.megakernel_relay_dedup)
         return megakernel_experts(
             x_TD, top_scores_TK, topk_idx_TK, tokens_per_sender, count_table, *self.experts.local_weights(),
             peers, schedule,

@@ -15,6 +15,11 @@ One persistent launch; programs take tasks from an atomic counter:
   k = 0..K-1 (the bits of ``topk_combine``), then reset the flags for the next call.
   Every pair is consumed by exactly one combine task, which is why a reset is safe.
 
+A *relay* launch (the intra-node leg of the hierarchical transport, given
+``pair_present``) holds only its node's pairs of each token: its combine tasks wait for
+those pairs and reset their flags without summing; the pair rows then travel back to
+their source rank, which sums all K of them in the same fixed order.
+
 Forward: mode PLAIN over h with w2 (y rows). Backward: mode DUAL over (d a1, d a3) with
 (w1, w3) (the rows' input gradients), summed per token into grad x.
 """
@@ -37,10 +42,10 @@ from uniep.kernels.grouped_gemm import (
 
 @triton.jit
 def _combine_tokens(
-    task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
-    N, P_cap, rank0, n_col_tiles, max_spins, error_ptr,
-    K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCOPE: tl.constexpr,
+    task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr,
+    tok_count_ptr, N, P_cap, rank0, n_col_tiles, max_spins, error_ptr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr, TOKENS_PER_TASK: tl.constexpr,
+    BLOCK_D: tl.constexpr, SCOPE: tl.constexpr,
 ):
     src = tl.load(combine_src_ptr + task)
     local = src - rank0
@@ -49,21 +54,24 @@ def _combine_tokens(
     kk = tl.arange(0, KP)
     pairs = tokens[:, None] * K + kk[None, :]
     mask_p = mask_t[:, None] & (kk < K)[None, :]
+    if RELAY:
+        mask_p = mask_p & (tl.load(present_ptr + pairs, mask=mask_p, other=0) != 0)
     flags = ret_flag_ptr + local.to(tl.int64) * P_cap
     wait_flags(flags, pairs, mask_p, n_col_tiles, max_spins, error_ptr, src, _STAGE_COMBINE, SCOPE)
     rows = ret_ptr + local.to(tl.int64) * P_cap * N
     out_rows = (tl.load(tok_base_ptr + local) + tokens).to(tl.int64)
-    for d0 in range(0, N, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        mask = mask_t[:, None] & (cols < N)[None, :]
-        acc = tl.zeros((TOKENS_PER_TASK, BLOCK_D), dtype=tl.float32)
-        for k in tl.static_range(K):
-            term = tl.load(rows + (tokens * K + k).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-            term = term.to(tl.float32)
-            if HAS_W:
-                term = term * tl.load(w_ptr + out_rows * K + k, mask=mask_t, other=0.0)[:, None]
-            acc += term
-        tl.store(out_ptr + out_rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if not RELAY:  # the relay's rows are summed on their source rank
+        for d0 in range(0, N, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = mask_t[:, None] & (cols < N)[None, :]
+            acc = tl.zeros((TOKENS_PER_TASK, BLOCK_D), dtype=tl.float32)
+            for k in tl.static_range(K):
+                term = tl.load(rows + (tokens * K + k).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+                term = term.to(tl.float32)
+                if HAS_W:
+                    term = term * tl.load(w_ptr + out_rows * K + k, mask=mask_t, other=0.0)[:, None]
+                acc += term
+            tl.store(out_ptr + out_rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     # Reads done (barrier inside): the pairs are free for the next call.
     publish_flags(flags + pairs, mask_p, 0, False, SCOPE)
 
@@ -78,9 +86,9 @@ def _gemm_combine_kernel(
     expert_offsets_ptr, tile_offsets_ptr,
     N, Kd, num_experts, stride_am, stride_be, stride_bk, stride_bn,
     # combine side (this launch's senders)
-    ret_ptr, ret_flag_ptr, w_ptr, out_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
+    ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
     n_combine, P_cap, rank0, max_spins,
-    MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr,
     TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCOPE: tl.constexpr,
@@ -108,10 +116,10 @@ def _gemm_combine_kernel(
             publish_flags(ret_flag_ptr + flag_at, mask_m, 1, True, SCOPE)
         else:
             _combine_tokens(
-                task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr,
+                task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr,
                 combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
                 N, P_cap, rank0, n_tiles, max_spins, error_ptr,
-                K, KP, HAS_W, TOKENS_PER_TASK, BLOCK_D, SCOPE,
+                K, KP, HAS_W, RELAY, TOKENS_PER_TASK, BLOCK_D, SCOPE,
             )
         task = tl.atomic_add(counter_ptr, 1)
 
@@ -133,9 +141,12 @@ def gemm_combine(
     max_spins: int,
     counter: torch.Tensor,
     error: torch.Tensor,
-) -> torch.Tensor:
+    pair_present: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Launch megakernel 2 for one EP launch; returns (T, N): this launch's tokens, each
-    the fixed-order sum over k of ``weights[t, k]`` (or 1) times its pair's row.
+    the fixed-order sum over k of ``weights[t, k]`` (or 1) times its pair's row. A relay
+    launch (``pair_present`` (T*K,) int8: which of its tokens' pairs are its node's)
+    only waits for those pairs and returns None.
 
     Forward (PLAIN): ``a`` = h (R, H), ``w_E`` = w2, transposed. Backward (DUAL): ``a``,
     ``a2`` = d a1, d a3 (R, H), ``w_E``, ``w2_E`` = w1, w3. ``origin`` (R,) int32 is each
@@ -148,7 +159,8 @@ def gemm_combine(
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
     R = owner_rows.num_rows
     T = sends.num_tokens
-    out = a.new_empty(T, N)
+    relay = pair_present is not None
+    out = a.new_empty(0 if relay else T, N)
     K = sends.rows.shape[1]
     combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
     upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
@@ -160,13 +172,13 @@ def gemm_combine(
         owner_rows.expert_offsets, owner_rows.tile_offsets,
         N, Kd, w_E.shape[0], a.stride(0), s_be, s_bk, s_bn,
         peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,
-        combine_src, combine_t0, sends.token_base, sends.token_count,
+        pair_present if relay else counter, combine_src, combine_t0, sends.token_base, sends.token_count,
         combine_src.numel(), peers.pairs_cap, peers.rank0, max_spins,
-        MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None,
+        MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None, RELAY=relay,
         TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
         LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SCOPE=peers.flag_scope,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out
+    return None if relay else out

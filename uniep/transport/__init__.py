@@ -18,14 +18,16 @@ from uniep.transport.local import LocalTransport
 
 __all__ = ["AllToAllTransport", "LocalTransport", "MegakernelTransport", "build_transport"]
 
-# One set of peer buffers per process group, shared by every layer (the layers run one
-# after another, and each launch has its own epoch).
+# Megakernel transports (their symmetric-memory buffers) are built once per process group.
+
 _MEGAKERNEL_TRANSPORTS: dict = {}
 
 
 class MegakernelTransport(AllToAllTransport):
-    """Counts are all-gathered like ``all_to_all``'s (and its dispatch/combine serve the
-    PyTorch backend); the fused path reaches the peers through ``peers``."""
+    """A group inside one node. Counts are all-gathered like ``all_to_all``'s (and its
+    dispatch/combine serve the PyTorch backend); the fused path reaches the peers through
+    ``peers``. One set of peer buffers per group, shared by every layer (the layers run
+    one after another, and each launch has its own epoch)."""
 
     def __init__(self, group: dist.ProcessGroup):
         from uniep.transport.megakernel import PeerBuffers
@@ -35,13 +37,21 @@ class MegakernelTransport(AllToAllTransport):
 
 
 def build_transport(name: str, group: dist.ProcessGroup | None):
-    """The transport called ``name`` over ``group`` (None or a group of one: local)."""
+    """The transport called ``name`` over ``group`` (None or a group of one: local).
+    ``megakernel`` over a group larger than a node (torchrun's ``LOCAL_WORLD_SIZE``) is
+    the hierarchical transport: the megakernel inside each node, all-to-all between."""
     if group is None or dist.get_world_size(group) == 1:
         return LocalTransport()
     if name == "all_to_all":
         return AllToAllTransport(group)
     if name == "megakernel":
         if group not in _MEGAKERNEL_TRANSPORTS:
-            _MEGAKERNEL_TRANSPORTS[group] = MegakernelTransport(group)
+            from uniep.transport.hierarchical import HierarchicalTransport, ranks_per_node
+
+            per_node = ranks_per_node()
+            if per_node is not None and dist.get_world_size(group) > per_node:
+                _MEGAKERNEL_TRANSPORTS[group] = HierarchicalTransport(group, per_node)
+            else:
+                _MEGAKERNEL_TRANSPORTS[group] = MegakernelTransport(group)
         return _MEGAKERNEL_TRANSPORTS[group]
     raise ValueError(f"transport = {name!r}; allowed values: 'all_to_all', 'megakernel'")

@@ -14,7 +14,9 @@ from uniep.plan import RoutingPlan
 from uniep.rows import permute_rows
 
 
-def _exchange(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def exchange_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of rows: ``in_splits[r]`` rows of ``x_ND`` go to rank r, ``out_splits[r]``
+    rows come from it (rank order)."""
     out = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
     dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -24,12 +26,12 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x_ND, out_splits, in_splits, group)
+        return exchange_rows(x_ND, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_ND):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+        return exchange_rows(grad_ND, in_splits, out_splits, ctx.group), None, None, None
 
 
 class AllToAllTransport:

@@ -25,11 +25,12 @@ bitwise those of the sequential execution for any schedule and any W.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from uniep.kernels.combine import topk_combine_bwd
+from uniep.kernels.combine import topk_combine, topk_combine_bwd
 from uniep.kernels.dispatch_gemm import dispatch_gemm
 from uniep.kernels.flags import raise_on_error
 from uniep.kernels.gemm_combine import gemm_combine
@@ -43,6 +44,9 @@ from uniep.kernels.grouped_gemm import (
 )
 from uniep.kernels.wgrad import grouped_wgrad
 from uniep.plan import device_ints
+
+if TYPE_CHECKING:
+    from uniep.transport.hierarchical import RelayLegs
 
 
 @dataclass(frozen=True)
@@ -260,17 +264,22 @@ def build_sends(
     ``topk_TK`` (T, K) (``tokens_per_sender`` rows each), rows placed by Algorithm 1 over
     the all-gathered ``count_table_WE`` (W, E). Without ``relay_dedup`` every pair is
     its own send."""
+    W, E = count_table_WE.shape
+    El = E // W
+    dest_row_TK = algorithm1_rows(topk_TK, count_table_WE, rank0)
+    return sends_to_owners(topk_TK // El, topk_TK % El, dest_row_TK, scores_TK, tokens_per_sender, rank0, W, El,
+                           tokens_cap, relay_dedup)
+
+
+def algorithm1_rows(topk_TK: torch.Tensor, count_table_WE: torch.Tensor, rank0: int) -> torch.Tensor:
+    """(T, K) int64: each pair's row on its owner (Algorithm 1) for the consecutive
+    senders ``rank0, rank0 + 1, ...`` whose routings are concatenated in ``topk_TK``."""
     T, K = topk_TK.shape
     W, E = count_table_WE.shape
     El = E // W
     device = topk_TK.device
-    counts = device_ints(tokens_per_sender, device)
-    token_base = _exclusive_cumsum(counts)
-    sender_T = torch.repeat_interleave(torch.arange(len(tokens_per_sender), device=device), counts, output_size=T)
-    token_T = torch.arange(T, device=device) - token_base[sender_T]
-
-    # Algorithm 1 for all the launch's pairs at once: the senders are consecutive ranks,
-    # so a stable sort by expert orders each expert's pairs by (sender, token, k).
+    # The senders are consecutive ranks, so a stable sort by expert orders each
+    # expert's pairs by (sender, token, k).
     table = count_table_WE.to(device=device, dtype=torch.int64)
     flat = topk_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -279,15 +288,40 @@ def build_sends(
     place_in_expert[order] = torch.arange(flat.numel(), device=device) - _exclusive_cumsum(launch_counts_E)[flat[order]]
     base_E = _exclusive_cumsum(table.sum(0).view(W, El), 1).reshape(-1)
     lower_senders_E = table[:rank0].sum(0)
-    dest_row_TK = (base_E[flat] + lower_senders_E[flat] + place_in_expert).view(T, K)
+    return (base_E[flat] + lower_senders_E[flat] + place_in_expert).view(T, K)
+
+
+def sends_to_owners(
+    owner_TK: torch.Tensor,
+    expert_TK: torch.Tensor,
+    dest_row_TK: torch.Tensor,
+    scores_TK: torch.Tensor,
+    tokens_per_sender: list[int],
+    rank0: int,
+    world: int,
+    experts_per_rank: int,
+    tokens_cap: int,
+    relay_dedup: bool = True,
+) -> Sends:
+    """The sends of the launch's senders (see :class:`Sends`) given each pair's owner
+    rank ``owner_TK`` (-1: the pair is not this launch's, e.g. bound for another node),
+    its expert among the owner's ``expert_TK`` and its row on the owner ``dest_row_TK``,
+    all (T, K). ``world``: ranks the owners are numbered in."""
+    T, K = owner_TK.shape
+    W, El = world, experts_per_rank
+    device = owner_TK.device
+    counts = device_ints(tokens_per_sender, device)
+    token_base = _exclusive_cumsum(counts)
+    sender_T = torch.repeat_interleave(torch.arange(len(tokens_per_sender), device=device), counts, output_size=T)
+    token_T = torch.arange(T, device=device) - token_base[sender_T]
 
     # One send per (token, owner): the token's first pair for that owner carries all of them.
-    dest_TK = topk_TK // El
-    same_owner = dest_TK[:, :, None] == dest_TK[:, None, :]  # (T, K, K): pairs k and j share an owner
+    present = owner_TK >= 0
+    same_owner = (owner_TK[:, :, None] == owner_TK[:, None, :]) & present[:, :, None]  # (T, K, K)
     if not relay_dedup:
         same_owner = same_owner & torch.eye(K, dtype=torch.bool, device=device)
     earlier = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)
-    first = ~(same_owner & earlier).any(-1).reshape(-1)
+    first = (present & ~(same_owner & earlier).any(-1)).reshape(-1)
     # Every pair is a candidate send; the others sort to the end (no host sync for S).
     t_idx = torch.arange(T, device=device).repeat_interleave(K)
     k_idx = torch.arange(K, device=device).repeat(T)
@@ -295,8 +329,8 @@ def build_sends(
     rows = torch.where(members, dest_row_TK[t_idx], -1)
     pairs = torch.where(members, token_T[t_idx, None] * K + torch.arange(K, device=device), -1)
     scale = torch.where(members, scores_TK[t_idx].float(), 0.0)
-    lowest_expert = torch.where(members, (topk_TK % El)[t_idx], El).amin(1)
-    src, token, dest = sender_T[t_idx] + rank0, token_T[t_idx], dest_TK[t_idx, k_idx]
+    lowest_expert = torch.where(members, expert_TK[t_idx], El).amin(1)
+    src, token, dest = sender_T[t_idx] + rank0, token_T[t_idx], owner_TK[t_idx, k_idx]
     # Priority: the owner's lowest expert first; owners visited starting after the
     # sender (spreads the first pushes over the owners); then sender, then token.
     key = ((lowest_expert * W + (dest - src) % W) * W + src) * tokens_cap + token
@@ -355,6 +389,10 @@ class Launch:
     rows: OwnerRows
     schedule: Schedule
     score_before_experts: bool
+    relay: RelayLegs | None = None
+    """Hierarchical transport: the inter-node legs around this (intra-node) launch,
+    whose senders are then relays of other ranks' tokens
+    (:class:`uniep.transport.hierarchical.RelayLegs`)."""
 
 
 def _senders_rows(region: torch.Tensor, sends: Sends, pairs_cap: int, top_k: int) -> torch.Tensor:
@@ -369,31 +407,45 @@ def _launch_state(device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tenso
     return (state[0:1], state[1:2]), state[2:]
 
 
+def _returned_rows(launch: Launch, top_k: int) -> torch.Tensor:
+    """(P, D): the pair rows of the launch's senders (relays: sent back to their
+    sources first), in (token, k) order."""
+    peers, sends, relay = launch.peers, launch.sends, launch.relay
+    rows = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, top_k)
+    return rows if relay is None else relay.to_sources(rows)
+
+
 class _MegakernelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, launch: Launch):
-        peers, sends, rows, sched = launch.peers, launch.sends, launch.rows, launch.schedule
+        peers, sends, rows, sched, relay = launch.peers, launch.sends, launch.rows, launch.schedule, launch.relay
+        before = launch.score_before_experts
         K = scores_TK.shape[1]
         dtypes = (w1.dtype, w2.dtype, w3.dtype)
         w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
         R = rows.num_rows
         a_row, scale, origin = (peers.local(name)[:R] for name in ("a_row", "scale", "origin"))
         counters, error = _launch_state(x_TD.device)
+        x_in = x_TD if relay is None else relay.to_relays(x_TD)
         h, a1, a3 = dispatch_gemm(
-            sends, peers, rows, x_TD, w1, w3, mode=SWIGLU_FWD, epoch=peers.next_epoch(), tiles=sched.up,
+            sends, peers, rows, x_in, w1, w3, mode=SWIGLU_FWD, epoch=peers.next_epoch(), tiles=sched.up,
             sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
-            a_row=a_row, a_scale=scale, scale_rows=launch.score_before_experts,
+            a_row=a_row, a_scale=scale, scale_rows=before,
         )
         # The owners' buffers serve the next layer too: keep this call's metadata and rows.
         a_row, scale, origin = a_row.clone(), scale.clone(), origin.clone()
         x_rows_RD = peers.local("land").index_select(0, a_row.long() + rows.landing_row)
         out_TD = gemm_combine(
-            sends, peers, rows, h, None, w2, None, None if launch.score_before_experts else scores_TK,
+            sends, peers, rows, h, None, w2, None, None if before or relay else scores_TK,
             mode=PLAIN, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
+            pair_present=None if relay is None else relay.pair_present,
         )
         peers.record_errors(error, "megakernel forward")
-        y_PD = None if launch.score_before_experts else _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
+        y_PD = None if before and relay is None else _returned_rows(launch, K)
+        if relay is not None:
+            out_TD = topk_combine(y_PD, None if before else scores_TK, K)
+            y_PD = None if before else y_PD
         ctx.save_for_backward(x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD)
         ctx.launch, ctx.dtypes = launch, dtypes
         return out_TD
@@ -402,14 +454,14 @@ class _MegakernelExperts(torch.autograd.Function):
     def backward(ctx, grad_out_TD):
         x_TD, scores_TK, w1, w2, w3, h, a1, a3, x_rows_RD, a_row, scale, origin, y_PD = ctx.saved_tensors
         launch = ctx.launch
-        peers, sends, rows, sched = launch.peers, launch.sends, launch.rows, launch.schedule
+        peers, sends, rows, sched, relay = launch.peers, launch.sends, launch.rows, launch.schedule, launch.relay
         before = launch.score_before_experts
         K = scores_TK.shape[1]
         E_local = w1.shape[0]
         grad_out_TD = grad_out_TD.contiguous()
         counters, error = _launch_state(grad_out_TD.device)
         d_a1, d_a3 = dispatch_gemm(
-            sends, peers, rows, grad_out_TD, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
+            sends, peers, rows, grad_out_TD if relay is None else relay.to_relays(grad_out_TD), w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
             sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
             a_row=a_row, a_scale=scale,
             scale_rows=not before, aux=(a1, a3),
@@ -424,13 +476,16 @@ class _MegakernelExperts(torch.autograd.Function):
             a_row=land_index, a_scale=None if before else scale,
         )
         grad_x = gemm_combine(
-            sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before else None,
+            sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before and relay is None else None,
             mode=DUAL, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
+            pair_present=None if relay is None else relay.pair_present,
         )
         peers.record_errors(error, "megakernel backward")
+        d_rows_PD = _returned_rows(launch, K) if before or relay is not None else None
+        if relay is not None:
+            grad_x = topk_combine(d_rows_PD, scores_TK if before else None, K)
         if before:
-            d_rows_PD = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, K)
             _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
         else:
             _, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, scores_TK, K, write_rows=False)

@@ -1,0 +1,64 @@
+"""The hierarchical transport (inter-node all-to-all + intra-node megakernel) with one
+process per rank: gloo between the processes, shared-memory buffers standing in for each
+node's symmetric memory, the kernels under the Triton interpreter. Outputs and every
+gradient must be bitwise those of one rank, for several node layouts and skewed routing."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_megakernel import (
+    assert_parts_match_one_rank,
+    make_inputs,
+    map_peers,
+    run_grads,
+    schedule,
+    spawn_ranks,
+)
+from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_megakernel_experts
+
+T, E = 6, 8
+
+
+def _worker(rank, world, shared, barrier, per_node, K, init_file, result_path, kind, score_before):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    node = rank // per_node
+    map_peers(rank % per_node, shared[node * per_node:(node + 1) * per_node], barrier)
+    transport = HierarchicalTransport(dist.group.WORLD, per_node)
+    gen = torch.Generator().manual_seed(11)
+    topk, leaves, grad = make_inputs(world, T, K, E, 32, 16, kind, gen, torch.float32)
+    mine, El = slice(rank * T, (rank + 1) * T), E // world
+    inputs = [leaves[0][mine], leaves[1][mine], *(w[rank * El:(rank + 1) * El] for w in leaves[2:])]
+
+    def layer(x, s, w1, w2, w3):
+        return hierarchical_megakernel_experts(x, s, topk[mine], w1, w2, w3, transport, schedule(),
+                                               score_before_experts=score_before)
+
+    first = run_grads(layer, inputs, grad[mine])
+    again = run_grads(layer, inputs, grad[mine])  # flags and epochs carried over from the first call
+    transport.peers.raise_pending_errors()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    torch.save(first, f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "W, per_node, K, kind, score_before",
+    [
+        (4, 2, 3, "random", False),
+        (4, 2, 3, "random", True),
+        (4, 2, 2, "one_rank", False),  # every token bound for rank 0's experts: one node gets all
+        (4, 1, 3, "random", False),  # four nodes of one rank: the node launch has no peers
+    ],
+)
+def test_hierarchical_ranks_match_one_rank(W, per_node, K, kind, score_before, tmp_path):
+    spawn_ranks(_worker, W, per_node, K, str(tmp_path / "init"), str(tmp_path / "r"), kind, score_before)
+    parts = [torch.load(tmp_path / f"r.{r}") for r in range(W)]
+    assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before)
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="expert-parallel degree 6 is not a multiple of the 4 processes per node"):
+        HierarchicalTransport.check_layout(6, 4, list(range(6)))
+    with pytest.raises(ValueError, match="should share a node"):
+        HierarchicalTransport.check_layout(4, 2, [1, 2, 3, 4])
