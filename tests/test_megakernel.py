@@ -222,6 +222,7 @@ def map_peers(index, buffers, barrier):
         def barrier(self):
             barrier.wait()
 
+    symm_mem.enable_symm_mem_for_group = lambda group_name: None
     symm_mem.empty = lambda total, dtype, device: buffers[index][:total]
     symm_mem.rendezvous = lambda buffer, group_name: Handle()
 

@@ -95,7 +95,7 @@ class RelayLegs:
         me, node, local = transport.ep_rank, transport.node, transport.local_rank
         T, K = topk_TK.shape
         device = topk_TK.device
-        self.group = transport.group
+        self.group, self.node = transport.group, node
 
         # table[s][E + n]: tokens rank s sends to node n; pairs: its pairs on node n.
         def pairs(s: int, n: int) -> int:

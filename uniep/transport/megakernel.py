@@ -172,6 +172,7 @@ class PeerBuffers:
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
             total += _round_up(int(torch.Size(shape).numel()) * dtype.itemsize, 256)
+        symm_mem.enable_symm_mem_for_group(self.group.group_name)  # needed by older PyTorch; idempotent
         buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
         buffer.zero_()
         handle = symm_mem.rendezvous(buffer, self.group.group_name)
@@ -415,6 +416,13 @@ def _returned_rows(launch: Launch, top_k: int) -> torch.Tensor:
     return rows if relay is None else relay.to_sources(rows)
 
 
+def _describe(launch: Launch, direction: str) -> str:
+    """What a wait error names: ranks of a hierarchical launch are numbered in their node."""
+    if launch.relay is None:
+        return f"megakernel {direction}"
+    return f"megakernel {direction} (node {launch.relay.node}; ranks numbered within the node)"
+
+
 class _MegakernelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, launch: Launch):
@@ -441,7 +449,7 @@ class _MegakernelExperts(torch.autograd.Function):
             max_spins=sched.max_spins, counter=counters[1], error=error,
             pair_present=None if relay is None else relay.pair_present,
         )
-        peers.record_errors(error, "megakernel forward")
+        peers.record_errors(error, _describe(launch, "forward"))
         y_PD = None if before and relay is None else _returned_rows(launch, K)
         if relay is not None:
             out_TD = topk_combine(y_PD, None if before else scores_TK, K)
@@ -481,7 +489,7 @@ class _MegakernelExperts(torch.autograd.Function):
             max_spins=sched.max_spins, counter=counters[1], error=error,
             pair_present=None if relay is None else relay.pair_present,
         )
-        peers.record_errors(error, "megakernel backward")
+        peers.record_errors(error, _describe(launch, "backward"))
         d_rows_PD = _returned_rows(launch, K) if before or relay is not None else None
         if relay is not None:
             grad_x = topk_combine(d_rows_PD, scores_TK if before else None, K)
