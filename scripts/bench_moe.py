@@ -33,6 +33,7 @@ SHAPES = {
     "dsv3_671b": (8192, 7168, 2048, 32, 8, 0, "sigmoid", True),
     "qwen3_4k": (4096, 2048, 768, 128, 8, 0, "softmax", True),
     "qwen3_32k": (32768, 2048, 768, 128, 8, 0, "softmax", True),
+    "tiny": (64, 32, 16, 8, 3, 1, "softmax", True),  # smoke tests of the scripts (CPU)
 }
 
 SWEEP = {
@@ -65,7 +66,9 @@ def dense_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def build_layers(shape, dtype=torch.bfloat16):
+def build_layers(shape, dtype=torch.bfloat16, device="cuda", config=None):
+    """TorchTitan's MoE and the UniEP layer made from it (``config``: the Triton backend
+    by default), same weights, and the shape's (T, D, H, E, K)."""
     from torchtitan.models.moe import MoE, MoEArgs
 
     from uniep import UniEPConfig, UniEPMoE
@@ -74,12 +77,12 @@ def build_layers(shape, dtype=torch.bfloat16):
     args = MoEArgs(num_experts=E, num_shared_experts=S, top_k=K, score_func=score_func,
                    route_norm=route_norm, score_before_experts=False, load_balance_coeff=None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         titan = MoE(args, dim=D, hidden_dim=H)
         with torch.no_grad():
-            titan.init_weights(0.02, torch.device("cuda"))
+            titan.init_weights(0.02, torch.device(device))
     titan.to(dtype)
-    uniep = UniEPMoE.from_torchtitan(copy.deepcopy(titan), UniEPConfig(backend="triton"))
+    uniep = UniEPMoE.from_torchtitan(copy.deepcopy(titan), config or UniEPConfig(backend="triton"))
     return titan, uniep, T, D, H, E, K
 
 
