@@ -1,7 +1,9 @@
 """Per-step loss log: TorchTitan's metrics plus ``<dump_folder>/loss_log.jsonl``.
 
 Each line is ``{"step", "loss", "grad_norm", "lr"}`` with full float precision (the
-console shows five decimals), so runs can be compared bitwise. Rank 0 writes it; a
+console shows five decimals), so runs can be compared bitwise, plus TorchTitan's
+throughput numbers of the step: ``tps`` (tokens per second per device), ``mfu`` (%),
+``tflops`` and ``max_reserved_gib`` (peak reserved device memory). Rank 0 writes it; a
 resumed run appends, and readers take the last line of each step.
 """
 
@@ -20,11 +22,31 @@ def _as_float(value) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+# loss-log key -> TorchTitan's metric name
+THROUGHPUT = {"tps": "throughput(tps)", "mfu": "mfu(%)", "tflops": "tflops",
+              "max_reserved_gib": "memory/max_reserved(GiB)"}
+
+
+class _KeepLast:
+    """TorchTitan's metric loggers, keeping the metrics of the last step they logged."""
+
+    def __init__(self, loggers):
+        self.loggers, self.last = loggers, {}
+
+    def log(self, metrics, step):
+        self.last = dict(metrics)
+        self.loggers.log(metrics, step)
+
+    def __getattr__(self, name):
+        return getattr(self.loggers, name)
+
+
 class LossLogMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag=None):
         super().__init__(job_config, parallel_dims, tag)
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.loss_log = Path(job_config.job.dump_folder) / LOSS_LOG if rank0 else None
+        self.logger = _KeepLast(self.logger)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
@@ -33,6 +55,8 @@ class LossLogMetricsProcessor(MetricsProcessor):
         record = {"step": step, "loss": _as_float(global_avg_loss), "grad_norm": _as_float(grad_norm)}
         if extra_metrics and "lr" in extra_metrics:
             record["lr"] = _as_float(extra_metrics["lr"])
+        record.update({key: _as_float(self.logger.last[name]) for key, name in THROUGHPUT.items()
+                       if name in self.logger.last})
         self.loss_log.parent.mkdir(parents=True, exist_ok=True)
         with self.loss_log.open("a") as f:
             f.write(json.dumps(record) + "\n")

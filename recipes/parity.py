@@ -10,7 +10,12 @@ A run is read from its ``loss_log.jsonl`` (``recipes.metrics``). Two kinds of ve
   norm 5e-2 relative, sized for bf16 training; fp32 CPU runs land far inside (about
   1e-5 on the debug configs).
 
-Outputs (``write_reports``): ``parity.json`` and ``parity.md`` (summary and per-step
+Throughput is reported beside the verdict (it does not enter it): per run the median
+tokens per second per device and MFU over the steps after the first tenth (at least
+the first two: start-up and compilation), the peak reserved memory, and the ratio of
+run A's throughput to run B's.
+
+Outputs (``write_reports``): ``parity.json`` and ``parity.md`` (summary, throughput and per-step
 table), ``parity.png`` (both loss curves and the absolute difference), and a wandb run
 group (a run per training, whose curves overlay, and a ``difference`` run with the
 per-step differences, the summary table and the verdict) in offline mode unless the
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -58,6 +64,30 @@ class ParityReport:
     reason: str
     thresholds: Thresholds = field(default_factory=Thresholds)
     rows: list[dict] = field(default_factory=list)
+    throughput: dict[str, dict] = field(default_factory=dict)
+    """run name -> {"tps", "mfu", "max_reserved_gib", "steps"} (runs that logged them)."""
+
+    @property
+    def throughput_ratio(self) -> float | None:
+        """Run A's tokens per second over run B's, if both logged throughput."""
+        a, b = self.throughput.get(self.name_a), self.throughput.get(self.name_b)
+        return a["tps"] / b["tps"] if a and b and b["tps"] > 0 else None
+
+
+def throughput_summary(run: dict[int, dict]) -> dict | None:
+    """Median tps and MFU over the steps after the first tenth (at least the first two),
+    peak reserved memory over all steps; None if the run logged no throughput."""
+    steps = sorted(s for s, r in run.items() if "tps" in r)
+    if not steps:
+        return None
+    skip = max(2, len(steps) // 10)
+    steady = steps[skip:] or steps[-1:]
+    return {
+        "tps": statistics.median(run[s]["tps"] for s in steady),
+        "mfu": statistics.median(run[s]["mfu"] for s in steady),
+        "max_reserved_gib": max(run[s]["max_reserved_gib"] for s in steps),
+        "steps": len(steady),
+    }
 
 
 def _diff(values_a: list[float], values_b: list[float]) -> MetricDiff:
@@ -110,7 +140,9 @@ def compare(
         {"step": s, **{f"{m}_{n}": r[s][m] for m in METRICS for n, r in ((name_a, run_a), (name_b, run_b))}}
         for s in steps
     ]
-    return ParityReport(name_a, name_b, expect, steps, bitwise, diffs, passed, reason, thresholds, rows)
+    throughput = {name: summary for name, run in ((name_a, run_a), (name_b, run_b))
+                  if (summary := throughput_summary(run)) is not None}
+    return ParityReport(name_a, name_b, expect, steps, bitwise, diffs, passed, reason, thresholds, rows, throughput)
 
 
 def compare_folders(folder_a, folder_b, **kwargs) -> ParityReport:
@@ -131,6 +163,13 @@ def _markdown(report: ParityReport) -> str:
     ]
     for m, d in report.diffs.items():
         lines.append(f"| {m} | {d.max_abs:.3e} | {d.mean_abs:.3e} | {d.max_rel:.3e} | {d.mean_rel:.3e} |")
+    if report.throughput:
+        lines += ["", "| run | tokens/s per device | MFU % | peak reserved GiB | steps (median over) |",
+                  "|---|---|---|---|---|"]
+        for name, t in report.throughput.items():
+            lines.append(f"| {name} | {t['tps']:.0f} | {t['mfu']:.2f} | {t['max_reserved_gib']:.2f} | {t['steps']} |")
+        if report.throughput_ratio is not None:
+            lines += ["", f"Throughput {a} / {b}: {report.throughput_ratio:.3f}x"]
     lines += ["", f"| step | loss {a} | loss {b} | grad norm {a} | grad norm {b} |", "|---|---|---|---|---|"]
     for row in report.rows:
         lines.append(
@@ -203,7 +242,8 @@ def _wandb(report: ParityReport, out_dir: Path) -> Path:
         table.add_data(m, d.max_abs, d.mean_abs, d.max_rel, d.mean_rel)
     run.log({"summary": table})
     run.summary.update({"passed": report.passed, "reason": report.reason,
-                        "bitwise_equal_steps": report.bitwise_equal_steps, "steps": len(report.steps)})
+                        "bitwise_equal_steps": report.bitwise_equal_steps, "steps": len(report.steps),
+                        "throughput_ratio": report.throughput_ratio})
     run_dir = Path(run.dir).parent
     run.finish()
     return run_dir
@@ -214,7 +254,7 @@ def write_reports(report: ParityReport, out_dir: str | Path, *, plot: bool = Tru
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "parity.json", "markdown": out / "parity.md"}
-    paths["json"].write_text(json.dumps(asdict(report), indent=2) + "\n")
+    paths["json"].write_text(json.dumps({**asdict(report), "throughput_ratio": report.throughput_ratio}, indent=2) + "\n")
     paths["markdown"].write_text(_markdown(report))
     if plot:
         paths["png"] = out / "parity.png"

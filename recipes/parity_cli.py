@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[parity] {'PASS' if report.passed else 'FAIL'} ({expect}): {report.reason}")
     print(f"[parity] loss: max abs diff {report.diffs['loss'].max_abs:.3e}, max rel diff {report.diffs['loss'].max_rel:.3e}; "
           f"bitwise-equal steps {report.bitwise_equal_steps}/{len(report.steps)}")
+    for name, t in report.throughput.items():
+        print(f"[parity] {name}: {t['tps']:.0f} tokens/s per device, MFU {t['mfu']:.2f}%, "
+              f"peak reserved {t['max_reserved_gib']:.2f} GiB (median of {t['steps']} steps)")
+    if report.throughput_ratio is not None:
+        print(f"[parity] throughput {report.name_a} / {report.name_b}: {report.throughput_ratio:.3f}x")
     for kind, path in paths.items():
         print(f"[parity] {kind}: {path}")
     sys.exit(0 if report.passed else 1)

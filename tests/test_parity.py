@@ -55,6 +55,25 @@ def test_reports_are_written(tmp_path):
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 3  # uniep, torchtitan, difference
 
 
+def test_throughput_summary_skips_start_up_and_takes_medians(tmp_path):
+    def timed(tps):
+        run = log([8.0] * len(tps))
+        for s, t in enumerate(tps, start=1):
+            run[s].update(tps=t, mfu=t / 100, max_reserved_gib=float(s))
+        return run
+
+    # 20 steps: the first two (start-up) are slow and left out of the medians
+    a = timed([10.0, 50.0] + [300.0 + i for i in range(18)])
+    b = timed([10.0, 50.0] + [200.0] * 18)
+    report = compare(a, b, expect="bitwise", name_a="uniep", name_b="torchtitan")
+    assert report.throughput["uniep"] == {"tps": 308.5, "mfu": 3.085, "max_reserved_gib": 20.0, "steps": 18}
+    assert report.throughput_ratio == 308.5 / 200.0
+    text = write_reports(report, tmp_path, plot=False, wandb=False)["markdown"].read_text()
+    assert "| uniep | 308 | 3.08 | 20.00 | 18 |" in text and "Throughput uniep / torchtitan: 1.542x" in text
+    # logs without throughput (older runs) compare as before
+    assert compare(log([8.0]), log([8.0]), expect="bitwise").throughput_ratio is None
+
+
 def parity_cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "loss_parity.py"), "compare", *args, "--no-wandb"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -73,6 +92,7 @@ def test_uniep_matches_torchtitan_within_the_band(deepseek_runs, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS (close)" in result.stdout
     assert (tmp_path / "parity.png").is_file() and (tmp_path / "parity.json").is_file()
+    assert "[parity] throughput uniep / torchtitan: " in result.stdout  # both runs logged it
 
 
 @pytest.mark.slow
