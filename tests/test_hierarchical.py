@@ -1,7 +1,8 @@
 """The hierarchical transport (inter-node all-to-all + intra-node megakernel) with one
 process per rank: gloo between the processes, shared-memory buffers standing in for each
 node's symmetric memory, the kernels under the Triton interpreter. Outputs and every
-gradient must be bitwise those of one rank, for several node layouts and skewed routing."""
+gradient must be bitwise those of one rank, for several node layouts and skewed routing,
+and must not change with the schedule knobs."""
 
 import pytest
 import torch
@@ -30,12 +31,16 @@ def _worker(rank, world, shared, barrier, per_node, K, init_file, result_path, k
     mine, El = slice(rank * T, (rank + 1) * T), E // world
     inputs = [leaves[0][mine], leaves[1][mine], *(w[rank * El:(rank + 1) * El] for w in leaves[2:])]
 
-    def layer(x, s, w1, w2, w3):
-        return hierarchical_megakernel_experts(x, s, topk[mine], w1, w2, w3, transport, schedule(),
-                                               score_before_experts=score_before)
+    def layer(sched):
+        def run(x, s, w1, w2, w3):
+            return hierarchical_megakernel_experts(x, s, topk[mine], w1, w2, w3, transport, sched,
+                                                   score_before_experts=score_before)
+        return run
 
-    first = run_grads(layer, inputs, grad[mine])
-    again = run_grads(layer, inputs, grad[mine])  # flags and epochs carried over from the first call
+    first = run_grads(layer(schedule()), inputs, grad[mine])
+    # another schedule (same tiles), on the flags and epochs the first call left behind
+    other = schedule(sends_per_task=1, tokens_per_task=32, relay_dedup=False)
+    again = run_grads(layer(other), inputs, grad[mine])
     transport.peers.raise_pending_errors()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     torch.save(first, f"{result_path}.{rank}")
