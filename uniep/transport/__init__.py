@@ -38,7 +38,7 @@ class MegakernelTransport(AllToAllTransport):
 
 def build_transport(name: str, group: dist.ProcessGroup | None):
     """The transport called ``name`` over ``group`` (None or a group of one: local).
-    ``megakernel`` over a group larger than a node (torchrun's ``LOCAL_WORLD_SIZE``) is
+    ``megakernel`` over a group larger than a node (``hierarchical.ranks_per_node``) is
     the hierarchical transport: the megakernel inside each node, all-to-all between."""
     if group is None or dist.get_world_size(group) == 1:
         return LocalTransport()

@@ -41,9 +41,12 @@ from uniep.transport.megakernel import (
 
 
 def ranks_per_node() -> int | None:
-    """Processes per node as torchrun reports them (``LOCAL_WORLD_SIZE``), or None."""
+    """Processes per node: torchrun's ``LOCAL_WORLD_SIZE``, else the number of GPUs here
+    (one process per GPU), else None."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else None
+    if value:
+        return int(value)
+    return torch.cuda.device_count() or None
 
 
 class HierarchicalTransport(AllToAllTransport):
