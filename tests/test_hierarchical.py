@@ -47,6 +47,46 @@ def _worker(rank, world, shared, barrier, per_node, K, init_file, result_path, k
     dist.destroy_process_group()
 
 
+def _silent_peer_worker(rank, world, shared, barrier, init_file, result_path):
+    """Rank 1 takes part in every collective but never launches its node's kernels; its
+    node peer, rank 0, must get the wait error naming the node (the other node is fine)."""
+    import uniep.transport.megakernel as megakernel
+    from uniep.kernels.flags import MegakernelWaitError
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    per_node, K = 2, 3
+    node = rank // per_node
+    map_peers(rank % per_node, shared[node * per_node:(node + 1) * per_node], barrier)
+    if rank == 1:
+        def no_dispatch(sends, peers, rows, x_TD, w_E, w3_E, **_):
+            zeros = x_TD.new_zeros(rows.num_rows, w_E.shape[1])
+            return zeros, zeros, zeros
+
+        megakernel.dispatch_gemm = no_dispatch
+        megakernel.gemm_combine = lambda *args, **kwargs: None
+    transport = HierarchicalTransport(dist.group.WORLD, per_node)
+    gen = torch.Generator().manual_seed(11)
+    topk, leaves, _ = make_inputs(world, T, K, E, 32, 16, "random", gen, torch.float32)
+    mine, El = slice(rank * T, (rank + 1) * T), E // world
+    weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
+    sched = schedule(max_spins=200 if rank == 0 else 1 << 22)
+    with torch.no_grad():
+        hierarchical_megakernel_experts(leaves[0][mine], leaves[1][mine], topk[mine], *weights, transport, sched,
+                                        score_before_experts=False)
+    try:
+        transport.peers.raise_pending_errors()
+    except MegakernelWaitError as e:
+        torch.save(str(e), f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_silent_node_peer_gives_an_error_not_a_hang(tmp_path):
+    spawn_ranks(_silent_peer_worker, 4, str(tmp_path / "init"), str(tmp_path / "r"))
+    message = torch.load(tmp_path / "r.0")
+    assert message.startswith("megakernel forward (node 0; ranks numbered within the node): rank 0 timed out in")
+    assert not any((tmp_path / f"r.{r}").exists() for r in (2, 3))  # the other node finished normally
+
+
 @pytest.mark.parametrize(
     "W, per_node, K, kind, score_before",
     [
