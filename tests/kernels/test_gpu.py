@@ -113,19 +113,22 @@ def test_megakernel_skewed_routing_no_deadlock():
     assert all(torch.equal(a, b) for a, b in zip(fwd_bwd(uniep, x, grad), reference))
 
 
-def _symmetric_worker(rank, world, init_file, results):
+def _symmetric_worker(rank, world, per_node, init_file, results):
     try:
-        results.put((rank, _symmetric_run(rank, world, init_file)))
+        results.put((rank, _symmetric_run(rank, world, per_node, init_file)))
     except Exception as e:  # the parent must hear of it, or it waits for nothing
         results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
 
 
-def _symmetric_run(rank, world, init_file):
+def _symmetric_run(rank, world, per_node, init_file):
+    import os
+
     import torch.distributed as dist
 
     from uniep import UniEPConfig
     from uniep.transport import build_transport
 
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # "nodes" of per_node GPUs: hierarchical when < world
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     _, uniep = build(num_experts=16, top_k=4)
@@ -137,9 +140,12 @@ def _symmetric_run(rank, world, init_file):
     uniep.config = UniEPConfig(transport="megakernel")
     uniep.keep_local_experts(dist.group.WORLD)
     got = fwd_bwd(uniep, x_all[:, mine].contiguous(), grad_all[:, mine].contiguous())
-    build_transport("megakernel", dist.group.WORLD).peers.raise_pending_errors()
+    transport = build_transport("megakernel", dist.group.WORLD)
+    transport.peers.raise_pending_errors()
     El = 16 // world
-    same = {"out": torch.equal(got[0], reference[0][:, mine]), "grad x": torch.equal(got[1], reference[1][:, mine])}
+    expected_kind = "HierarchicalTransport" if per_node < world else "MegakernelTransport"
+    same = {"transport": type(transport).__name__ == expected_kind,
+            "out": torch.equal(got[0], reference[0][:, mine]), "grad x": torch.equal(got[1], reference[1][:, mine])}
     for i, (name, _) in enumerate(sorted(uniep.named_parameters())):
         if name.startswith("experts."):
             same[name] = torch.equal(got[2 + i], reference[2 + i][rank * El:(rank + 1) * El])
@@ -147,11 +153,14 @@ def _symmetric_run(rank, world, init_file):
     return same
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory allows one rank per GPU)")
-def test_megakernel_symmetric_memory_two_gpus():
-    """The real transport: two processes, one per GPU, with symmetric-memory peer
-    buffers give the one-GPU layer's output, input gradient and expert gradients,
+@pytest.mark.parametrize("world, per_node", [(2, 2), (2, 1), (4, 2)])
+def test_megakernel_symmetric_memory(world, per_node):
+    """The real transport: one process per GPU, symmetric-memory peer buffers inside
+    each "node" of ``per_node`` GPUs (the hierarchical transport's all-to-all between
+    them), give the one-GPU layer's output, input gradient and expert gradients,
     bitwise (rows and flags cross the NVLink peer mappings)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs (symmetric memory allows one rank per GPU)")
     import tempfile
 
     import torch.multiprocessing as mp
@@ -159,7 +168,8 @@ def test_megakernel_symmetric_memory_two_gpus():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_symmetric_worker, args=(r, 2, f"{tmp}/init", results)) for r in range(2)]
+        procs = [ctx.Process(target=_symmetric_worker, args=(r, world, per_node, f"{tmp}/init", results))
+                 for r in range(world)]
         for p in procs:
             p.start()
         outcome = dict(results.get(timeout=600) for _ in procs)

@@ -468,11 +468,11 @@ class _MegakernelExperts(torch.autograd.Function):
         E_local = w1.shape[0]
         grad_out_TD = grad_out_TD.contiguous()
         counters, error = _launch_state(grad_out_TD.device)
+        grad_in = grad_out_TD if relay is None else relay.to_relays(grad_out_TD)
         d_a1, d_a3 = dispatch_gemm(
-            sends, peers, rows, grad_out_TD if relay is None else relay.to_relays(grad_out_TD), w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
+            sends, peers, rows, grad_in, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
             sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
-            a_row=a_row, a_scale=scale,
-            scale_rows=not before, aux=(a1, a3),
+            a_row=a_row, a_scale=scale, scale_rows=not before, aux=(a1, a3),
         )
         # w2's gradient now, while this rank's landing buffer still holds the output
         # gradient (peers may refill it once this rank's combine below is done); the
