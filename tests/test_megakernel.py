@@ -190,15 +190,17 @@ def test_owner_that_never_returns_gives_an_error_not_a_hang():
         peers.raise_pending_errors()
 
 
-def test_megakernel_config_errors():
+def test_megakernel_config_errors(monkeypatch):
     with pytest.raises(UniEPConfigError, match="virtual_ranks = 2 needs transport = 'megakernel'"):
         UniEPConfig(virtual_ranks=2)
     with pytest.raises(UniEPConfigError, match="megakernel_sends_per_task = 3"):
         UniEPConfig(transport="megakernel", megakernel_sends_per_task=3)
     with pytest.raises(UniEPConfigError, match="megakernel_max_spins = 0"):
         UniEPConfig(megakernel_max_spins=0)
-    with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs; got device"):
-        UniEPConfig(transport="megakernel").resolved_backend("cpu", 2)
+    with monkeypatch.context() as outside_the_interpreter:
+        outside_the_interpreter.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs; got device"):
+            UniEPConfig(transport="megakernel").resolved_backend("cpu", 2)
     assert UniEPConfig(transport="megakernel").resolved_backend("cpu", 1) in ("torch", "triton")
     assert UniEPConfig(transport="megakernel", backend="torch").resolved_backend("cpu", 2) == "torch"
     layer = UniEPMoE(16, 8, 6, 2, config=UniEPConfig(transport="megakernel", virtual_ranks=4))
