@@ -16,9 +16,10 @@ One persistent launch; programs take tasks from an atomic counter:
   Every pair is consumed by exactly one combine task, which is why a reset is safe.
 
 A *relay* launch (the intra-node leg of the hierarchical transport, given
-``pair_present``) holds only its node's pairs of each token: its combine tasks wait for
-those pairs and reset their flags without summing; the pair rows then travel back to
-their source rank, which sums all K of them in the same fixed order.
+``pair_slots``) holds only its node's pairs of each token, packed in its return region:
+its combine tasks wait for those pairs and reset their flags without summing; the pair
+rows then travel back to their source rank, which sums all K of them in the same fixed
+order.
 
 Forward: mode PLAIN over h with w2 (y rows). Backward: mode DUAL over (d a1, d a3) with
 (w1, w3) (the rows' input gradients), summed per token into grad x.
@@ -42,7 +43,7 @@ from uniep.kernels.grouped_gemm import (
 
 @triton.jit
 def _combine_tokens(
-    task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr,
+    task, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, slot_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr,
     tok_count_ptr, N, P_cap, rank0, n_col_tiles, max_spins, error_ptr,
     K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr, TOKENS_PER_TASK: tl.constexpr,
     BLOCK_D: tl.constexpr, SCOPE: tl.constexpr,
@@ -54,8 +55,9 @@ def _combine_tokens(
     kk = tl.arange(0, KP)
     pairs = tokens[:, None] * K + kk[None, :]
     mask_p = mask_t[:, None] & (kk < K)[None, :]
-    if RELAY:
-        mask_p = mask_p & (tl.load(present_ptr + pairs, mask=mask_p, other=0) != 0)
+    if RELAY:  # the node's pairs only, at their packed slots
+        pairs = tl.load(slot_ptr + pairs, mask=mask_p, other=-1)
+        mask_p = mask_p & (pairs >= 0)
     flags = ret_flag_ptr + local.to(tl.int64) * P_cap
     wait_flags(flags, pairs, mask_p, n_col_tiles, max_spins, error_ptr, src, _STAGE_COMBINE, SCOPE)
     rows = ret_ptr + local.to(tl.int64) * P_cap * N
@@ -86,7 +88,7 @@ def _gemm_combine_kernel(
     expert_offsets_ptr, tile_offsets_ptr,
     N, Kd, num_experts, stride_am, stride_be, stride_bk, stride_bn,
     # combine side (this launch's senders)
-    ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
+    ret_ptr, ret_flag_ptr, w_ptr, out_ptr, slot_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
     n_combine, P_cap, rank0, max_spins,
     MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr,
     TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -116,7 +118,7 @@ def _gemm_combine_kernel(
             publish_flags(ret_flag_ptr + flag_at, mask_m, 1, True, SCOPE)
         else:
             _combine_tokens(
-                task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, present_ptr,
+                task - gemm_tasks, ret_ptr, ret_flag_ptr, w_ptr, out_ptr, slot_ptr,
                 combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
                 N, P_cap, rank0, n_tiles, max_spins, error_ptr,
                 K, KP, HAS_W, RELAY, TOKENS_PER_TASK, BLOCK_D, SCOPE,
@@ -141,12 +143,12 @@ def gemm_combine(
     max_spins: int,
     counter: torch.Tensor,
     error: torch.Tensor,
-    pair_present: torch.Tensor | None = None,
+    pair_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch megakernel 2 for one EP launch; returns (T, N): this launch's tokens, each
     the fixed-order sum over k of ``weights[t, k]`` (or 1) times its pair's row. A relay
-    launch (``pair_present`` (T*K,) int8: which of its tokens' pairs are its node's)
-    only waits for those pairs and returns None.
+    launch (``pair_slots`` (T*K,) int32: each pair's slot in its return region, -1 for
+    another node's pairs) only waits for its node's pairs and returns None.
 
     Forward (PLAIN): ``a`` = h (R, H), ``w_E`` = w2, transposed. Backward (DUAL): ``a``,
     ``a2`` = d a1, d a3 (R, H), ``w_E``, ``w2_E`` = w1, w3. ``origin`` (R,) int32 is each
@@ -159,7 +161,7 @@ def gemm_combine(
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
     R = owner_rows.num_rows
     T = sends.num_tokens
-    relay = pair_present is not None
+    relay = pair_slots is not None
     out = a.new_empty(0 if relay else T, N)
     K = sends.rows.shape[1]
     combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
@@ -172,7 +174,7 @@ def gemm_combine(
         owner_rows.expert_offsets, owner_rows.tile_offsets,
         N, Kd, w_E.shape[0], a.stride(0), s_be, s_bk, s_bn,
         peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,
-        pair_present if relay else counter, combine_src, combine_t0, sends.token_base, sends.token_count,
+        pair_slots if relay else counter, combine_src, combine_t0, sends.token_base, sends.token_count,
         combine_src.numel(), peers.pairs_cap, peers.rank0, max_spins,
         MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None, RELAY=relay,
         TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),

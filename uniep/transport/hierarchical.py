@@ -100,15 +100,12 @@ class RelayLegs:
         device = topk_TK.device
         self.group, self.node = transport.group, node
 
-        # table[s][E + n]: tokens rank s sends to node n; pairs: its pairs on node n.
-        def pairs(s: int, n: int) -> int:
-            return sum(table[s][n * L * El : (n + 1) * L * El])
-
+        # table[s][E + n]: tokens rank s sends to node n.
         rail = [n * L + local for n in range(N)]
         self._to_relays = _splits(W, {r: table[me][E + n] for n, r in enumerate(rail)})
         self._from_sources = _splits(W, {r: table[r][E + node] for r in rail})
-        self._pairs_back = _splits(W, {r: pairs(r, node) for r in rail})
-        self._pairs_home = _splits(W, {r: pairs(me, n) for n, r in enumerate(rail)})
+        self._pairs_back = _splits(W, {r: _pairs_on_node(table, r, node, L * El) for r in rail})
+        self._pairs_home = _splits(W, {r: _pairs_on_node(table, me, n, L * El) for n, r in enumerate(rail)})
 
         # Source side: node-major, then token; a mask's first entries without a host sync.
         owner_TK = topk_TK // El
@@ -134,10 +131,11 @@ class RelayLegs:
         self.dest_row_TK = meta[..., 2].long()
         self.scale_TK = meta[..., 3].contiguous().view(torch.float32)
         self.num_tokens = sum(self._from_sources)
+        self.num_pairs = sum(self._pairs_back)
+        """The relayed pairs that are this node's: packed first in the return region."""
         present = (self.owner_TK >= 0).reshape(-1)
-        self.pair_present = present.to(torch.int8)
-        """(T_r * K,) int8: which of the relayed tokens' pairs are this node's."""
-        self._present_pairs = _first_true(present, sum(self._pairs_back))
+        self.pair_slots = torch.where(present, torch.cumsum(present, 0) - 1, -1).to(torch.int32)
+        """(T_r * K,) int32: each relayed pair's return slot, -1 for another node's pairs."""
         # Pairs come home node-major, then (token, k): put them back in (token, k) order.
         arrival = torch.argsort(node_TK.reshape(-1), stable=True)
         self._home_order = torch.empty_like(arrival)
@@ -149,10 +147,14 @@ class RelayLegs:
 
     def to_sources(self, rows_PD: torch.Tensor) -> torch.Tensor:
         """(T*K, D): the pair rows of this rank's tokens, (token, k) order, given the
-        relayed tokens' pair rows (T_r*K, D) (only this node's pairs are read)."""
-        present = rows_PD.index_select(0, self._present_pairs)
-        home = exchange_rows(present, self._pairs_home, self._pairs_back, self.group)
+        relayed pairs' rows (``num_pairs``, D) in slot order."""
+        home = exchange_rows(rows_PD, self._pairs_home, self._pairs_back, self.group)
         return home.index_select(0, self._home_order)
+
+
+def _pairs_on_node(table: list[list[int]], src: int, node: int, experts_per_node: int) -> int:
+    """Pairs rank ``src`` routes to the experts of ``node`` (from the count table)."""
+    return sum(table[src][node * experts_per_node : (node + 1) * experts_per_node])
 
 
 def _splits(world: int, nonzero: dict[int, int]) -> list[int]:
@@ -194,14 +196,18 @@ def hierarchical_megakernel_experts(
     peers = transport.peers
     peers.raise_pending_errors(synchronize=False)
     count_table_WE = table_W[:, :E]
-    relayed = [sum(table[m * L + local][E + n] for m in range(N)) for n in range(N) for local in range(L)]
+    # Every rank sizes the node's buffers alike: by the busiest relay of any node.
+    rails = [(n, [m * L + local for m in range(N)]) for n in range(N) for local in range(L)]
+    relayed_tokens = max(sum(table[r][E + n] for r in rail) for n, rail in rails)
+    relayed_pairs = max(sum(_pairs_on_node(table, r, n, L * El) for r in rail) for n, rail in rails)
     rows_per_owner = [sum(sum(row[d * El : (d + 1) * El]) for row in table) for d in range(W)]
-    peers.prepare(max(relayed), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)
+    peers.prepare(relayed_tokens, K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device, pairs=relayed_pairs)
     scores_TK = scores_TK.float().contiguous()
     legs = RelayLegs(transport, topk_TK, scores_TK, algorithm1_rows(topk_TK, count_table_WE, transport.ep_rank),
                      table, E)
     sends = sends_to_owners(legs.owner_TK, legs.expert_TK, legs.dest_row_TK, legs.scale_TK, [legs.num_tokens],
-                            transport.local_rank, L, El, peers.tokens_cap, schedule.relay_dedup)
+                            transport.local_rank, L, El, peers.tokens_cap, schedule.relay_dedup,
+                            pair_slot_TK=legs.pair_slots.view(-1, K))
     rows = owner_rows(count_table_WE, rows_per_owner, transport.ep_rank, 1, schedule.gemm.block_m,
                       L * peers.tokens_cap)
     launch = Launch(peers, sends, rows, schedule, score_before_experts, relay=legs)

@@ -133,15 +133,16 @@ class PeerBuffers:
         return self.epoch
 
     def prepare(self, tokens: int, top_k: int, rows_per_owner: list[int], dim: int, dtype: torch.dtype,
-                device: torch.device) -> None:
+                device: torch.device, pairs: int | None = None) -> None:
         """Make room for a call (every rank of a real group decides the same: the inputs
         come from the all-gathered count table) and point the row regions at each
-        owner's rows."""
+        owner's rows. ``pairs``: return rows a sender needs (default ``tokens * top_k``)."""
         rows = max(rows_per_owner) if self.group is not None else sum(rows_per_owner[self.rank0:self.rank0 + self.local_ranks])
-        if (tokens > self.tokens_cap or tokens * top_k > self.pairs_cap or rows > self.rows_cap
+        pairs = tokens * top_k if pairs is None else pairs
+        if (tokens > self.tokens_cap or pairs > self.pairs_cap or rows > self.rows_cap
                 or dim != self.dim or dtype != self.dtype):
             self.tokens_cap = _round_up(max(tokens, self.tokens_cap), 1024)
-            self.pairs_cap = self.tokens_cap * top_k
+            self.pairs_cap = _round_up(max(pairs, self.pairs_cap), 1024 * top_k)
             self.rows_cap = _round_up(max(rows, self.rows_cap), 4096)
             self.dim, self.dtype = dim, dtype
             self._allocate(device)
@@ -205,7 +206,8 @@ class Sends:
     The first ``num_sends[0]`` (a device scalar: no host sync) of P = T*K entries are
     sends: ``src``, ``token``, ``dest`` (P,) int32: token ``token`` of rank ``src`` goes
     to rank ``dest`` once; ``rows``, ``pairs`` (P, K) int32: its rows on ``dest`` and
-    their pair ids ``t*K + k`` (-1 where pair k goes elsewhere); ``scale`` (P, K) fp32:
+    their slots in the sender's return region, ``t*K + k`` (a relay's are packed)
+    (-1 where pair k goes elsewhere); ``scale`` (P, K) fp32:
     the rows' scores. ``token_base`` and ``token_count`` (local_ranks,) int32: each
     sender's tokens in the launch's x."""
 
@@ -303,11 +305,13 @@ def sends_to_owners(
     experts_per_rank: int,
     tokens_cap: int,
     relay_dedup: bool = True,
+    pair_slot_TK: torch.Tensor | None = None,
 ) -> Sends:
     """The sends of the launch's senders (see :class:`Sends`) given each pair's owner
     rank ``owner_TK`` (-1: the pair is not this launch's, e.g. bound for another node),
-    its expert among the owner's ``expert_TK`` and its row on the owner ``dest_row_TK``,
-    all (T, K). ``world``: ranks the owners are numbered in."""
+    its expert among the owner's ``expert_TK``, its row on the owner ``dest_row_TK`` and
+    its slot in the sender's return region ``pair_slot_TK`` (default ``t*K + k``), all
+    (T, K). ``world``: ranks the owners are numbered in."""
     T, K = owner_TK.shape
     W, El = world, experts_per_rank
     device = owner_TK.device
@@ -328,7 +332,9 @@ def sends_to_owners(
     k_idx = torch.arange(K, device=device).repeat(T)
     members = same_owner.reshape(T * K, K)
     rows = torch.where(members, dest_row_TK[t_idx], -1)
-    pairs = torch.where(members, token_T[t_idx, None] * K + torch.arange(K, device=device), -1)
+    if pair_slot_TK is None:
+        pair_slot_TK = token_T[:, None] * K + torch.arange(K, device=device)
+    pairs = torch.where(members, pair_slot_TK[t_idx], -1)
     scale = torch.where(members, scores_TK[t_idx].float(), 0.0)
     lowest_expert = torch.where(members, expert_TK[t_idx], El).amin(1)
     src, token, dest = sender_T[t_idx] + rank0, token_T[t_idx], owner_TK[t_idx, k_idx]
@@ -412,8 +418,9 @@ def _returned_rows(launch: Launch, top_k: int) -> torch.Tensor:
     """(P, D): the pair rows of the launch's senders (relays: sent back to their
     sources first), in (token, k) order."""
     peers, sends, relay = launch.peers, launch.sends, launch.relay
-    rows = _senders_rows(peers.local("ret"), sends, peers.pairs_cap, top_k)
-    return rows if relay is None else relay.to_sources(rows)
+    if relay is None:
+        return _senders_rows(peers.local("ret"), sends, peers.pairs_cap, top_k)
+    return relay.to_sources(peers.local("ret")[: relay.num_pairs])
 
 
 def _describe(launch: Launch, direction: str) -> str:
@@ -447,7 +454,7 @@ class _MegakernelExperts(torch.autograd.Function):
             sends, peers, rows, h, None, w2, None, None if before or relay else scores_TK,
             mode=PLAIN, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
-            pair_present=None if relay is None else relay.pair_present,
+            pair_slots=None if relay is None else relay.pair_slots,
         )
         peers.record_errors(error, _describe(launch, "forward"))
         y_PD = None if before and relay is None else _returned_rows(launch, K)
@@ -487,7 +494,7 @@ class _MegakernelExperts(torch.autograd.Function):
             sends, peers, rows, d_a1, d_a3, w1, w3, scores_TK if before and relay is None else None,
             mode=DUAL, origin=origin, tiles=sched.gemm, tokens_per_task=sched.tokens_per_task,
             max_spins=sched.max_spins, counter=counters[1], error=error,
-            pair_present=None if relay is None else relay.pair_present,
+            pair_slots=None if relay is None else relay.pair_slots,
         )
         peers.record_errors(error, _describe(launch, "backward"))
         d_rows_PD = _returned_rows(launch, K) if before or relay is not None else None
