@@ -21,15 +21,19 @@ from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_meg
 T, E = 6, 8
 
 
-def _worker(rank, world, shared, barrier, per_node, K, init_file, result_path, kind, score_before):
+def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_path, kind, score_before):
+    """One rank; the world splits into expert-parallel groups of ``ep`` consecutive ranks
+    (as TorchTitan's EP groups inside data parallelism), each solving the same batch."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     node = rank // per_node
     map_peers(rank % per_node, shared[node * per_node:(node + 1) * per_node], barrier)
-    transport = HierarchicalTransport(dist.group.WORLD, per_node)
+    groups = [dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)]
+    transport = HierarchicalTransport(groups[rank // ep], per_node)
     gen = torch.Generator().manual_seed(11)
-    topk, leaves, grad = make_inputs(world, T, K, E, 32, 16, kind, gen, torch.float32)
-    mine, El = slice(rank * T, (rank + 1) * T), E // world
-    inputs = [leaves[0][mine], leaves[1][mine], *(w[rank * El:(rank + 1) * El] for w in leaves[2:])]
+    topk, leaves, grad = make_inputs(ep, T, K, E, 32, 16, kind, gen, torch.float32)
+    me = rank % ep
+    mine, El = slice(me * T, (me + 1) * T), E // ep
+    inputs = [leaves[0][mine], leaves[1][mine], *(w[me * El:(me + 1) * El] for w in leaves[2:])]
 
     def layer(sched):
         def run(x, s, w1, w2, w3):
@@ -88,18 +92,20 @@ def test_silent_node_peer_gives_an_error_not_a_hang(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "W, per_node, K, kind, score_before",
+    "W, per_node, K, ep, kind, score_before",
     [
-        (4, 2, 3, "random", False),
-        (4, 2, 3, "random", True),
-        (4, 2, 2, "one_rank", False),  # every token bound for rank 0's experts: one node gets all
-        (4, 1, 3, "random", False),  # four nodes of one rank: the node launch has no peers
+        (4, 2, 3, 4, "random", False),
+        (4, 2, 3, 4, "random", True),
+        (4, 2, 2, 4, "one_rank", False),  # every token bound for rank 0's experts: one node gets all
+        (4, 1, 3, 4, "random", False),  # four nodes of one rank: the node launch has no peers
+        (4, 1, 3, 2, "random", False),  # two EP groups of two nodes: group ranks are not world ranks
     ],
 )
-def test_hierarchical_ranks_match_one_rank(W, per_node, K, kind, score_before, tmp_path):
-    spawn_ranks(_worker, W, per_node, K, str(tmp_path / "init"), str(tmp_path / "r"), kind, score_before)
-    parts = [torch.load(tmp_path / f"r.{r}") for r in range(W)]
-    assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before)
+def test_hierarchical_ranks_match_one_rank(W, per_node, K, ep, kind, score_before, tmp_path):
+    spawn_ranks(_worker, W, per_node, K, ep, str(tmp_path / "init"), str(tmp_path / "r"), kind, score_before)
+    for first in range(0, W, ep):
+        parts = [torch.load(tmp_path / f"r.{r}") for r in range(first, first + ep)]
+        assert_parts_match_one_rank(parts, ep, T, K, E, kind, score_before)
 
 
 def test_layout_errors():
