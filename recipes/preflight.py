@@ -14,6 +14,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from uniep import UniEPConfig, UniEPConfigError
+from uniep.transport import ranks_per_node
 
 from recipes import data
 
@@ -111,7 +112,7 @@ def check_megakernel_placement(ep: int) -> None:
             "uniep.transport = 'megakernel' needs CUDA GPUs (symmetric memory); this machine has none: "
             "use uniep.transport = 'all_to_all'"
         )
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    per_node = ranks_per_node()
     if per_node % ep and ep % per_node:
         raise PreflightError(
             f"uniep.transport = 'megakernel' needs the expert-parallel group inside one node or made of "

@@ -83,11 +83,13 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
 
 def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
     result = str(tmp_path / f"ep{world}")
-    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    shared, barrier = None, None
+    if backend == "megakernel":  # the node's symmetric-memory stand-in
+        shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
+        barrier = mp.get_context("spawn").Barrier(world)
     mp.start_processes(
         _worker,
-        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared,
-              mp.get_context("spawn").Barrier(world)),
+        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared, barrier),
         nprocs=world,
         start_method="spawn",
     )

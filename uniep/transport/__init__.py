@@ -11,16 +11,27 @@ The backward of dispatch is a combine and vice versa.
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.distributed as dist
 
 from uniep.transport.all_to_all import AllToAllTransport
 from uniep.transport.local import LocalTransport
 
-__all__ = ["AllToAllTransport", "LocalTransport", "MegakernelTransport", "build_transport"]
+__all__ = ["AllToAllTransport", "LocalTransport", "MegakernelTransport", "build_transport", "ranks_per_node"]
 
 # Megakernel transports (their symmetric-memory buffers) are built once per process group.
-
 _MEGAKERNEL_TRANSPORTS: dict = {}
+
+
+def ranks_per_node() -> int | None:
+    """Processes per node: torchrun's ``LOCAL_WORLD_SIZE``, else the number of GPUs here
+    (one process per GPU), else None."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value:
+        return int(value)
+    return torch.cuda.device_count() or None
 
 
 class MegakernelTransport(AllToAllTransport):
@@ -38,7 +49,7 @@ class MegakernelTransport(AllToAllTransport):
 
 def build_transport(name: str, group: dist.ProcessGroup | None):
     """The transport called ``name`` over ``group`` (None or a group of one: local).
-    ``megakernel`` over a group larger than a node (``hierarchical.ranks_per_node``) is
+    ``megakernel`` over a group larger than a node (:func:`ranks_per_node`) is
     the hierarchical transport: the megakernel inside each node, all-to-all between."""
     if group is None or dist.get_world_size(group) == 1:
         return LocalTransport()
@@ -46,7 +57,7 @@ def build_transport(name: str, group: dist.ProcessGroup | None):
         return AllToAllTransport(group)
     if name == "megakernel":
         if group not in _MEGAKERNEL_TRANSPORTS:
-            from uniep.transport.hierarchical import HierarchicalTransport, ranks_per_node
+            from uniep.transport.hierarchical import HierarchicalTransport
 
             per_node = ranks_per_node()
             if per_node is not None and dist.get_world_size(group) > per_node:

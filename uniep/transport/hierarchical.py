@@ -23,8 +23,6 @@ rows' input gradients come back to their sources and are summed there.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -38,15 +36,6 @@ from uniep.transport.megakernel import (
     owner_rows,
     sends_to_owners,
 )
-
-
-def ranks_per_node() -> int | None:
-    """Processes per node: torchrun's ``LOCAL_WORLD_SIZE``, else the number of GPUs here
-    (one process per GPU), else None."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    if value:
-        return int(value)
-    return torch.cuda.device_count() or None
 
 
 class HierarchicalTransport(AllToAllTransport):
@@ -91,8 +80,9 @@ class RelayLegs:
     received and their pairs on its node). Built from the all-gathered table, so every
     split is known on the host without another sync."""
 
-    def __init__(self, transport: HierarchicalTransport, topk_TK: torch.Tensor, scores_TK: torch.Tensor,
-                 dest_row_TK: torch.Tensor, table: list[list[int]], num_experts: int):
+    def __init__(self, transport: HierarchicalTransport, topk_TK: torch.Tensor, goes_NT: torch.Tensor,
+                 scores_TK: torch.Tensor, dest_row_TK: torch.Tensor, table: list[list[int]], num_experts: int):
+        """``goes_NT`` (N, T) bool: whether token t has a pair on node n."""
         W, L, N = transport.ep_size, transport.ranks_per_node, transport.nodes
         E, El = num_experts, num_experts // W
         me, node, local = transport.ep_rank, transport.node, transport.local_rank
@@ -110,7 +100,6 @@ class RelayLegs:
         # Source side: node-major, then token; a mask's first entries without a host sync.
         owner_TK = topk_TK // El
         node_TK = owner_TK // L
-        goes_NT = (node_TK[None] == torch.arange(N, device=device)[:, None, None]).any(2)
         sent = _first_true(goes_NT.reshape(-1), sum(self._to_relays))
         send_node, self._send_token = sent // T, sent % T
         on_node = node_TK[self._send_token] == send_node[:, None]
@@ -186,11 +175,9 @@ def hierarchical_megakernel_experts(
     El = w1.shape[0]
     E = El * W
     K = topk_TK.shape[1]
-    if schedule.up.block_m != schedule.gemm.block_m:
-        raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
     node_TK = topk_TK // (El * L)
-    goes_TN = (node_TK[:, :, None] == torch.arange(N, device=topk_TK.device)).any(1)
-    counts = torch.cat([torch.bincount(topk_TK.reshape(-1), minlength=E), goes_TN.sum(0)])
+    goes_NT = (node_TK[None] == torch.arange(N, device=topk_TK.device)[:, None, None]).any(2)
+    counts = torch.cat([torch.bincount(topk_TK.reshape(-1), minlength=E), goes_NT.sum(1)])
     table_W = transport.gather_counts(counts)  # (W, E + N): pair counts, then tokens per node
     table = table_W.tolist()  # the call's one host sync
     peers = transport.peers
@@ -203,8 +190,8 @@ def hierarchical_megakernel_experts(
     rows_per_owner = [sum(sum(row[d * El : (d + 1) * El]) for row in table) for d in range(W)]
     peers.prepare(relayed_tokens, K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device, pairs=relayed_pairs)
     scores_TK = scores_TK.float().contiguous()
-    legs = RelayLegs(transport, topk_TK, scores_TK, algorithm1_rows(topk_TK, count_table_WE, transport.ep_rank),
-                     table, E)
+    legs = RelayLegs(transport, topk_TK, goes_NT, scores_TK,
+                     algorithm1_rows(topk_TK, count_table_WE, transport.ep_rank), table, E)
     sends = sends_to_owners(legs.owner_TK, legs.expert_TK, legs.dest_row_TK, legs.scale_TK, [legs.num_tokens],
                             transport.local_rank, L, El, peers.tokens_cap, schedule.relay_dedup,
                             pair_slot_TK=legs.pair_slots.view(-1, K))

@@ -63,6 +63,10 @@ class Schedule:
     max_spins: int = 1 << 24
     relay_dedup: bool = True
 
+    def __post_init__(self):
+        if self.up.block_m != self.gemm.block_m:
+            raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
+
 
 # Buffer regions of one rank: name -> (rows-kind, dtype or None for the activation dtype).
 # "land" is (W * T_cap, D), "ret" is (P_cap, D), "ret_flag" is (P_cap,), the others (R_cap,).
@@ -544,8 +548,6 @@ def megakernel_experts(
             f"megakernel: w1 has {w1.shape[0]} experts; the launch's {peers.local_ranks} owner(s) hold "
             f"{El * peers.local_ranks} of the {E} experts"
         )
-    if schedule.up.block_m != schedule.gemm.block_m:
-        raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
     K = scores_TK.shape[1]
     table = count_table_WE.tolist()  # the call's one host sync
     peers.raise_pending_errors(synchronize=False)
