@@ -45,6 +45,7 @@ from uniep.kernels.grouped_gemm import (
     _tile_coords,
     _tile_store,
     _weight_view,
+    dot_precision,
 )
 
 
@@ -114,7 +115,7 @@ def _dispatch_gemm_kernel(
     MODE: tl.constexpr, PUSH_META: tl.constexpr, HAS_SCALE: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCOPE: tl.constexpr,
+    SCOPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     n_sends = tl.load(num_sends_ptr)
@@ -143,6 +144,7 @@ def _dispatch_gemm_kernel(
             acc, acc3 = _tile_accumulate(
                 e, a_rows, mask_m, cols, mask_n, scale, land_ptr, land_ptr, b_ptr, b2_ptr,
                 Kd, D, stride_be, stride_bk, stride_bn, MODE, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+                DOT_PRECISION,
             )
             _tile_store(acc, acc3, rows, mask_m, cols, mask_n, rows.to(tl.int64),
                         c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
@@ -185,6 +187,7 @@ def dispatch_gemm(
     (``uniep.kernels.flags``), read by the caller.
     """
     transpose = mode == SWIGLU_FWD
+    tiles = tiles.fitted(x_TD.dtype, x_TD.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
     R = owner_rows.num_rows
     if mode == SWIGLU_FWD:
@@ -215,7 +218,7 @@ def dispatch_gemm(
         BLOCK_D=min(256, triton.next_power_of_2(D)),
         LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SCOPE=peers.flag_scope,
+        SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(x_TD.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if mode == SWIGLU_FWD:

@@ -38,6 +38,7 @@ from uniep.kernels.grouped_gemm import (
     _tile_accumulate,
     _tile_coords,
     _weight_view,
+    dot_precision,
 )
 
 
@@ -93,7 +94,7 @@ def _gemm_combine_kernel(
     MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr,
     TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCOPE: tl.constexpr,
+    SCOPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     gemm_tasks = tl.load(tile_offsets_ptr + num_experts) * n_tiles
@@ -106,6 +107,7 @@ def _gemm_combine_kernel(
             acc, _ = _tile_accumulate(
                 e, rows.to(tl.int64), mask_m, cols, mask_n, mask_m, a_ptr, a2_ptr, b_ptr, b2_ptr,
                 Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                DOT_PRECISION,
             )
             origin = tl.load(origin_ptr + rows, mask=mask_m, other=0)
             src = origin // P_cap
@@ -158,6 +160,7 @@ def gemm_combine(
     (``uniep.kernels.flags``), read by the caller.
     """
     transpose = w2_E is None
+    tiles = tiles.fitted(a.dtype, a.device)  # PLAIN, or DUAL's two loops one after the other
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose)
     R = owner_rows.num_rows
     T = sends.num_tokens
@@ -180,7 +183,7 @@ def gemm_combine(
         TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
         LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SCOPE=peers.flag_scope,
+        SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return None if relay else out

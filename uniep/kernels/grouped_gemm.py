@@ -26,6 +26,8 @@ host sync): ``tile_offsets[e]`` is the first row tile of expert ``e``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,38 @@ import triton.language as tl
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # Kernels may only read globals that are constexpr objects.
 _SWIGLU_FWD, _SWIGLU_BWD, _DUAL = tl.constexpr(SWIGLU_FWD), tl.constexpr(SWIGLU_BWD), tl.constexpr(DUAL)
+
+
+# Shared memory per block of an H200 (``shared_memory_per_block_optin``). Tiles are fitted
+# to it where the device cannot be asked (the CPU interpreter), so a CPU run picks the
+# tiles, and so the bits, that the GPU would.
+H200_SMEM_PER_BLOCK = 232448
+
+
+def shared_memory_bytes(block_m, block_n, block_k, num_stages, elem_bytes, a_tiles=1, b_tiles=1):
+    """Shared memory of a pipelined tile loop: ``num_stages`` copies of its ``a_tiles``
+    (block_m x block_k) and ``b_tiles`` (block_k x block_n) operand tiles. (Triton's own
+    count for the gate/up GEMM, fp32, 128x128x64, 4 stages: 393216 bytes; so is this.)
+    Works elementwise on numpy arrays (the tuner's feasibility filter)."""
+    return num_stages * (a_tiles * block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use on ``device``."""
+    if device.type != "cuda":
+        return H200_SMEM_PER_BLOCK
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", H200_SMEM_PER_BLOCK)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: float32 operands follow PyTorch's TF32 switch for CUDA
+    matmuls (off by default, so float32 training is float32, as TorchTitan's is);
+    16-bit operands are exact products either way."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 @dataclass(frozen=True)
@@ -50,6 +84,38 @@ class GemmTiles:
     num_stages: int = 3
     num_programs: int | None = None
     """Persistent programs; None: one per SM (``2 * SMs`` for small tiles)."""
+
+    def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
+        """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
+
+        Fewer pipeline stages first (down to 2; the bits stay), then a shorter
+        ``block_k`` (down to 16), then 1 stage, then a narrower ``block_n``. ``block_m``
+        never changes: callers lay out row tiles by it. The choice depends only on the
+        tiles, the dtype and the device's limit, so every path that launches the same
+        tiles (one rank, all_to_all, megakernel) fits them the same way and the bits
+        stay path-independent. bf16 with the default tiles fits as given on an H200.
+        """
+        limit = smem_limit(torch.device(device))
+        elem = torch.empty((), dtype=dtype).element_size()
+        tiles = self
+
+        def fits(t: GemmTiles) -> bool:
+            return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles) <= limit
+
+        while not fits(tiles) and tiles.num_stages > 2:
+            tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+        while not fits(tiles) and tiles.block_k > 16:
+            tiles = dataclasses.replace(tiles, block_k=tiles.block_k // 2)
+        if not fits(tiles):
+            tiles = dataclasses.replace(tiles, num_stages=1)
+        while not fits(tiles) and tiles.block_n > 16:
+            tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
+        if not fits(tiles):
+            raise ValueError(
+                f"GEMM tiles {self} cannot fit {limit} bytes of shared memory with {dtype} operands "
+                "even at block_k 16, block_n 16 and 1 stage: lower block_m"
+            )
+        return tiles
 
 
 @triton.jit
@@ -83,7 +149,7 @@ def _tile_accumulate(
     e, a_rows, mask_m, cols, mask_n, scale,
     a_ptr, a2_ptr, b_ptr, b2_ptr, Kd, stride_am, stride_be, stride_bk, stride_bn,
     MODE: tl.constexpr, HAS_A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
     The reduction runs over Kd in order, so the bits depend on BLOCK_K only."""
@@ -101,9 +167,9 @@ def _tile_accumulate(
             a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
         b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
         b_mask = mask_k[:, None] & mask_n[None, :]
-        acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc)
+        acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc, input_precision=DOT_PRECISION)
         if MODE == _SWIGLU_FWD:
-            acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3)
+            acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3, input_precision=DOT_PRECISION)
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             ks = k + offs_k
@@ -112,7 +178,7 @@ def _tile_accumulate(
                          mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b2 = tl.load(b2_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                          mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a2, b2, acc)
+            acc = tl.dot(a2, b2, acc, input_precision=DOT_PRECISION)
     return acc, acc3
 
 
@@ -164,7 +230,7 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -181,6 +247,7 @@ def _grouped_gemm_kernel(
         acc, acc3 = _tile_accumulate(
             e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
             Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+            DOT_PRECISION,
         )
         if HAS_C_ROW:
             c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
@@ -241,6 +308,7 @@ def grouped_gemm(
     """
     expert_offsets, tile_offs = offsets
     num_experts = w_E.shape[0]
+    tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
     if a.shape[1] != Kd or not a.is_contiguous():
         raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")
@@ -270,6 +338,7 @@ def grouped_gemm(
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if mode == SWIGLU_FWD:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, dot_precision
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _grouped_wgrad_kernel(
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     DUAL_A: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -79,9 +79,10 @@ def _grouped_wgrad_kernel(
             if HAS_B_SCALE:
                 scale = tl.load(b_scale_ptr + rows, mask=mask_r, other=0.0)
                 b = (b.to(tl.float32) * scale[:, None]).to(b_ptr.dtype.element_ty)
-            acc = tl.dot(tl.trans(a), b, acc)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
             if DUAL_A:
-                acc2 = tl.dot(tl.trans(tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0)), b, acc2)
+                acc2 = tl.dot(tl.trans(tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0)), b, acc2,
+                              input_precision=DOT_PRECISION)
         c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
         c_mask = mask_m[:, None] & mask_n[None, :]
         tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -110,6 +111,8 @@ def grouped_wgrad(
     M, N = a.shape[1], b.shape[1]
     if a2 is not None and (a2.shape != a.shape or not a2.is_contiguous()):
         raise ValueError(f"grouped_wgrad: A2 must be contiguous with A's shape {tuple(a.shape)}")
+    # the reduction runs over token rows: A tiles are (block_k, block_m), B (block_k, block_n)
+    tiles = tiles.fitted(a.dtype, a.device, a_tiles=2 if a2 is not None else 1)
     c = torch.empty(num_experts, M, N, device=a.device, dtype=out_dtype)
     c2 = torch.empty_like(c) if a2 is not None else c
     upper_tiles = num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
@@ -124,6 +127,7 @@ def grouped_wgrad(
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
         DUAL_A=a2 is not None, NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return c if a2 is None else (c, c2)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from uniep.kernels.grouped_gemm import shared_memory_bytes
+
 # knob -> candidate values; the product is the space
 CHOICES: dict[str, tuple[int, ...]] = {
     "gemm_block_m": (64, 128),
@@ -69,25 +71,21 @@ def full_space() -> Space:
     return Space({k: grid[:, i] for i, k in enumerate(KNOBS)})
 
 
-def smem_bytes(block_m, block_n, block_k, stages, accumulators, elem_bytes=2):
-    """Shared memory of a pipelined tile: ``stages`` copies of the A tile and of each B tile."""
-    return stages * (block_m * block_k + accumulators * block_k * block_n) * elem_bytes
-
-
 def feasible(space: Space, smem_limit: int) -> np.ndarray:
     """(N,) bool: the points whose every launch fits the device."""
     v = space.values
     ok = np.ones(len(space), dtype=bool)
-    # (block_m, block_n, block_k, warps, stages, accumulators) of each launch kind
+    # (block_m, block_n, block_k, warps, stages, A tiles, B tiles) of each launch kind, in bf16;
+    # accumulators = the more numerous operand tiles (two B tiles: gate/up; two A tiles: w1/w3 grad)
     launches = [
-        (v["gemm_block_m"], v["gemm_up_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 2),
-        (v["gemm_block_m"], v["gemm_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1),
-        (v["wgrad_block_m"], v["wgrad_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 1),
-        (v["wgrad_block_m"], v["wgrad_up_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 2),
+        (v["gemm_block_m"], v["gemm_up_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1, 2),
+        (v["gemm_block_m"], v["gemm_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1, 1),
+        (v["wgrad_block_m"], v["wgrad_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 1, 1),
+        (v["wgrad_block_m"], v["wgrad_up_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 2, 1),
     ]
-    for bm, bn, bk, warps, stages, acc in launches:
-        ok &= smem_bytes(bm, bn, bk, stages, acc) <= smem_limit
-        ok &= bm * bn * acc / (32 * warps) <= MAX_ACC_REGS_PER_THREAD
+    for bm, bn, bk, warps, stages, a_tiles, b_tiles in launches:
+        ok &= shared_memory_bytes(bm, bn, bk, stages, 2, a_tiles, b_tiles) <= smem_limit
+        ok &= bm * bn * max(a_tiles, b_tiles) / (32 * warps) <= MAX_ACC_REGS_PER_THREAD
     return ok
 
 
