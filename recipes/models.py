@@ -21,7 +21,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from recipes import data
 from recipes.metrics import build_metrics_processor
-from recipes.parallelize import apply_uniep_ep, check_uniep_parallelism
+from recipes.parallelize import apply_uniep_compile, apply_uniep_ep, check_uniep_parallelism
 from uniep import UniEPConfig, UniEPMoE
 
 
@@ -61,14 +61,16 @@ def _uniep_model_cls(base: type) -> type:
 
 @contextmanager
 def _uniep_expert_parallel(titan_parallelize_module):
-    """Within the block, TorchTitan's parallelize function hands expert parallelism to
-    UniEP: its call to ``apply_moe_ep_tp`` reaches ``apply_uniep_ep`` instead."""
-    original = titan_parallelize_module.apply_moe_ep_tp
+    """Within the block, TorchTitan's parallelize function hands expert parallelism and
+    compilation to UniEP: its calls to ``apply_moe_ep_tp`` and ``apply_compile`` reach
+    ``apply_uniep_ep`` and ``apply_uniep_compile`` instead."""
+    originals = (titan_parallelize_module.apply_moe_ep_tp, titan_parallelize_module.apply_compile)
     titan_parallelize_module.apply_moe_ep_tp = apply_uniep_ep
+    titan_parallelize_module.apply_compile = apply_uniep_compile
     try:
         yield
     finally:
-        titan_parallelize_module.apply_moe_ep_tp = original
+        titan_parallelize_module.apply_moe_ep_tp, titan_parallelize_module.apply_compile = originals
 
 
 def _uniep_parallelize_fn(titan_fn: Callable, titan_module) -> Callable:

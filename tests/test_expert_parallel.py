@@ -56,7 +56,25 @@ def fwd_bwd(layer, x, grad_out, skew):
     return out.detach(), x.grad, w_grads
 
 
-def _worker(rank, world, store_path, router, seed, skew, result_path, backend, shared, barrier):
+def _pin_outside_tracing(tensor):
+    """Stands in for ``Tensor.pin_memory`` (CPU tensors cannot be pinned without CUDA):
+    host-side work must never be traced by torch.compile."""
+    assert not torch.compiler.is_compiling(), "host-side planning traced by torch.compile"
+    return tensor
+
+
+def compile_layer(layer, monkeypatch_like):
+    """``layer`` under ``torch.compile(fullgraph=True)`` with the CUDA-only host branches
+    (pinned copies of small host lists) forced on. ``monkeypatch_like``: a callable
+    ``(obj, name, value)`` that sets attributes."""
+    import uniep.plan
+
+    monkeypatch_like(uniep.plan, "PINNED_COPY_DEVICES", ("cuda", "cpu"))
+    monkeypatch_like(torch.Tensor, "pin_memory", _pin_outside_tracing)
+    return torch.compile(layer, fullgraph=True, backend="aot_eager")
+
+
+def _worker(rank, world, store_path, router, seed, skew, result_path, backend, shared, barrier, compiled=False):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if backend == "megakernel":
@@ -68,7 +86,20 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
         layer.keep_local_experts(dist.group.WORLD)
         x, grad_out, _ = make_batch(seed, 2 * world, skew)
         mine = slice(2 * rank, 2 * rank + 2)
-        out, gx, w_grads = fwd_bwd(layer, x[mine], grad_out[mine], skew)
+        if compiled:
+            compiled_layer = compile_layer(layer, setattr)
+            if skew:
+                layer.expert_bias[: layer.top_k] = 100.0
+            x_mine = x[mine].clone().requires_grad_(True)
+            out = compiled_layer(x_mine)
+            out.backward(grad_out[mine])
+            out, gx = out.detach(), x_mine.grad
+            w_grads = {n: getattr(layer.experts, n).grad for n in ("w1", "w2", "w3")}
+            from uniep.routed_op import pending_calls
+
+            assert pending_calls() == 0  # the backward took its saved graph back
+        else:
+            out, gx, w_grads = fwd_bwd(layer, x[mine], grad_out[mine], skew)
         if backend == "megakernel":
             from uniep.transport import _MEGAKERNEL_TRANSPORTS
 
@@ -81,7 +112,7 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
         dist.destroy_process_group()
 
 
-def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
+def run_ep(world, router, seed, skew, tmp_path, backend="torch", compiled=False):
     result = str(tmp_path / f"ep{world}")
     shared, barrier = None, None
     if backend == "megakernel":  # the node's symmetric-memory stand-in
@@ -89,7 +120,7 @@ def run_ep(world, router, seed, skew, tmp_path, backend="torch"):
         barrier = mp.get_context("spawn").Barrier(world)
     mp.start_processes(
         _worker,
-        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared, barrier),
+        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared, barrier, compiled),
         nprocs=world,
         start_method="spawn",
     )
@@ -123,6 +154,22 @@ def test_ep_matches_one_process_bitwise(world, router, skew, backend, tmp_path):
     x, grad_out, _ = make_batch(seed, 2 * world, skew)
     ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
     out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path, backend)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(gx, ref_gx)
+    for name in ref_w:
+        assert torch.equal(w_grads[name], ref_w[name]), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "megakernel"])
+def test_compiled_fullgraph_ep2_matches_one_process_bitwise(backend, tmp_path):
+    """TorchTitan compiles each block with fullgraph=True: the layer traces without a
+    graph break at EP 2 (the CUDA-only pinned copies forced on, so host-side planning
+    traced by the compiler fails the test), and gives the eager one-process bits."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world, router, seed, skew = 2, "qwen3", 7, backend == "megakernel"
+    x, grad_out, _ = make_batch(seed, 2 * world, skew)
+    ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
+    out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path, backend, compiled=True)
     assert torch.equal(out, ref_out)
     assert torch.equal(gx, ref_gx)
     for name in ref_w:

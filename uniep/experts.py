@@ -7,26 +7,52 @@ Parameter names and shapes match TorchTitan 0.2.2 (``experts.w1/w2/w3``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from uniep.init import trunc_normal_
+from uniep.routed_op import routed_experts
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a batch's tokens go: ``scores_TK`` (T, K) fp32 router scores, ``topk_TK``
+    (T, K) expert ids, ``counts_E`` (E,) pairs per expert. One object rather than three
+    arguments: FSDP casts a module's floating-point tensor arguments to its parameter
+    dtype, and the scores stay fp32 (as TorchTitan's, applied outside its experts)."""
+
+    scores_TK: torch.Tensor
+    topk_TK: torch.Tensor
+    counts_E: torch.Tensor
 
 
 class GroupedExperts(nn.Module):
     """Routed experts: ``w1`` (E, H, D), ``w2`` (E, D, H), ``w3`` (E, H, D).
 
     ``num_experts`` is the global count even when only a slice is stored locally.
+    The routed-expert computation runs in this module's ``forward`` (as TorchTitan's
+    does), so that FSDP, which wraps this module on its own mesh under expert
+    parallelism, gathers the weights before it and frees them after.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
+        self.path_id = -1
+        """The ``uniep.routed_op`` path that ``forward`` runs (set by the owning layer)."""
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(T, D) routed-expert output of tokens ``x_TD`` (T, D)."""
+        return routed_experts(
+            x_TD, routing.scores_TK, routing.topk_TK, routing.counts_E, *self.local_weights(), self.path_id
+        )
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (El, ...) slices as plain tensors (expert-parallel shards are DTensors)."""

@@ -11,8 +11,6 @@ initialisation match ``torchtitan.models.moe.MoE`` so checkpoints move between t
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Literal
 
 import torch
@@ -23,13 +21,15 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
-from uniep.experts import FeedForward, GroupedExperts, expert_mlp_torch
-from uniep.plan import build_plan, device_ints, local_counts
+from uniep.expert_path import ExpertPath
+from uniep.experts import FeedForward, GroupedExperts, Routing
+from uniep.plan import local_counts
 from uniep.router import TopKRouter
-from uniep.rows import permute_rows, replicate_topk, sum_topk_fp32
-from uniep.transport import build_transport
+from uniep.routed_op import register_path
 
-logger = logging.getLogger("uniep")
+# (config, EP group, experts, score_before_experts) -> the id of their expert path: one
+# path (and one compiled graph) for all the layers of a model.
+_PATH_IDS: dict[tuple, int] = {}
 
 # Router settings read from a TorchTitan MoE by name (duck typing: no torchtitan import).
 _ROUTER_ATTRS = (
@@ -65,7 +65,7 @@ class UniEPMoE(nn.Module):
         super().__init__()
         if load_balance_coeff is not None and load_balance_coeff <= 0:
             raise ValueError(f"load_balance_coeff = {load_balance_coeff} must be > 0 or None")
-        self.config = config or UniEPConfig()
+        self._config = config or UniEPConfig()
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.router = TopKRouter(
             dim,
@@ -91,8 +91,35 @@ class UniEPMoE(nn.Module):
         else:
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-        self.ep_group: dist.ProcessGroup | None = None
-        self._auto_configs: dict[tuple, UniEPConfig] = {}
+        self._ep_group: dist.ProcessGroup | None = None
+        self._update_path()
+
+    # The expert path is chosen from these; setting one picks the path again.
+    @property
+    def config(self) -> UniEPConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: UniEPConfig) -> None:
+        self._config = config
+        self._update_path()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return self._ep_group
+
+    @ep_group.setter
+    def ep_group(self, group: dist.ProcessGroup | None) -> None:
+        self._ep_group = group
+        self._update_path()
+
+    def _update_path(self) -> None:
+        if "experts" not in self._modules or not hasattr(self, "score_before_experts"):
+            return  # still in __init__
+        key = (self._config, self._ep_group, self.num_experts, self.score_before_experts)
+        if key not in _PATH_IDS:
+            _PATH_IDS[key] = register_path(ExpertPath(*key))
+        self.experts.path_id = _PATH_IDS[key]
 
     @property
     def num_experts(self) -> int:
@@ -199,123 +226,10 @@ class UniEPMoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)
 
-        transport = build_transport(self.config.transport, self.ep_group)
-        config = self._schedule(x_TD.shape[0], x.device, transport.ep_size)
-        backend = config.resolved_backend(x.device.type, transport.ep_size)
-        if backend == "megakernel":
-            out_TD = self._experts_megakernel(x_TD, top_scores_TK, topk_idx_TK, counts_E, config, transport)
-        elif backend == "triton" and transport.ep_size > 1:
-            out_TD = self._experts_all_to_all_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config, transport)
-        elif backend == "triton":
-            out_TD = self._experts_triton(x_TD, top_scores_TK, topk_idx_TK, counts_E, config)
-        else:
-            out_TD = self._experts_torch(x_TD, top_scores_TK, topk_idx_TK, counts_E, transport)
+        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E))
         if self.shared_experts is not None:
             out_TD = in_fixed_row_blocks(self.shared_experts, x_TD) + out_TD
         return out_TD.view(B, S, D)
-
-    def _experts_torch(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, transport) -> torch.Tensor:
-        """(T, D) routed-expert output on the plain-PyTorch path (any EP degree)."""
-        T, D = x_TD.shape
-        K = self.top_k
-        plan = build_plan(
-            topk_idx_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank
-        )
-        # shape (P, D): one row per (token, k) pair, in send order (expert, token, k)
-        rows_PD = permute_rows(replicate_topk(x_TD, K), plan.send_order, plan.send_order_inverse)
-        if self.score_before_experts:
-            scores_P1 = permute_rows(
-                top_scores_TK.reshape(-1, 1), plan.send_order, plan.send_order_inverse
-            )
-            rows_PD = (rows_PD.float() * scores_P1).to(x_TD.dtype)
-
-        # shape (R, D): this rank's rows, expert-major
-        rows_RD = transport.dispatch(rows_PD, plan)
-        out_RD = expert_mlp_torch(rows_RD, plan.rows_per_local_expert, *self.experts.local_weights())
-        back_PD = transport.combine(out_RD, plan)
-
-        # shape (T, K, D): expert outputs back in (token, k) order
-        out_TKD = permute_rows(back_PD, plan.send_order_inverse, plan.send_order).view(T, K, D)
-        weights_TK = None if self.score_before_experts else top_scores_TK
-        return sum_topk_fp32(out_TKD, weights_TK).to(x_TD.dtype)
-
-    def _schedule(self, tokens: int, device: torch.device, ep_size: int) -> UniEPConfig:
-        """The concrete config for this call: ``self.config``, or with ``config = "auto"``
-        the tuner's choice for this shape and 4096-token bucket (resolved once, logged)."""
-        if self.config.config != "auto":
-            return self.config
-        from uniep.tune import MoEShape, device_spec, resolve, token_bucket
-        from uniep.tune.space import KNOBS
-
-        key = (token_bucket(tokens), ep_size, str(device))
-        if key not in self._auto_configs:
-            w1 = self.experts.w1
-            shape = MoEShape(dim=w1.shape[2], hidden=w1.shape[1], experts=self.num_experts, top_k=self.top_k)
-            config, source = resolve(self.config, shape, tokens, device_spec(device), ep_size)
-            knobs = {k: getattr(config, k) for k in KNOBS}
-            logger.info(f"UniEP config = 'auto' for {shape.key()}, {key[0]} tokens, EP {ep_size}: {source} -> {knobs}")
-            self._auto_configs[key] = config
-        return self._auto_configs[key]
-
-    def _experts_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig) -> torch.Tensor:
-        """(T, D) routed-expert output on the fused Triton kernels (one rank)."""
-        from uniep.kernels.fused_experts import fused_experts
-
-        # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
-        send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
-        gemm, up, wgrad, wgrad_up = _tiles(c)
-        return fused_experts(
-            x_TD, top_scores_TK, send_order, counts_E, *self.experts.local_weights(),
-            score_before_experts=self.score_before_experts,
-            tiles=gemm, up_tiles=up, wgrad_tiles=wgrad, wgrad_up_tiles=wgrad_up,
-        )
-
-    def _experts_all_to_all_triton(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport):
-        """(T, D) routed-expert output over the all_to_all transport, experts on the
-        Triton kernels (EP > 1; the same bits as one rank)."""
-        from uniep.transport.all_to_all_fused import all_to_all_fused_experts
-
-        plan = build_plan(topk_idx_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank)
-        return all_to_all_fused_experts(
-            x_TD, top_scores_TK, plan, transport, *self.experts.local_weights(),
-            tiles=_tiles(c), score_before_experts=self.score_before_experts,
-        )
-
-    def _experts_megakernel(self, x_TD, top_scores_TK, topk_idx_TK, counts_E, c: UniEPConfig, transport) -> torch.Tensor:
-        """(T, D) routed-expert output on the two megakernels: over the real EP group,
-        or over ``c.virtual_ranks`` virtual ranks on this device (batch split in rank order)."""
-        from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_megakernel_experts
-        from uniep.transport.megakernel import (
-            Schedule,
-            megakernel_experts,
-            virtual_peers,
-        )
-
-        gemm, up, wgrad, wgrad_up = _tiles(c)
-        schedule = Schedule(gemm, up, wgrad, wgrad_up, c.megakernel_sends_per_task,
-                            c.megakernel_tokens_per_task, c.megakernel_max_spins, c.megakernel_relay_dedup)
-        if isinstance(transport, HierarchicalTransport):
-            return hierarchical_megakernel_experts(
-                x_TD, top_scores_TK, topk_idx_TK, *self.experts.local_weights(), transport, schedule,
-                score_before_experts=self.score_before_experts,
-            )
-        T = topk_idx_TK.shape[0]
-        if transport.ep_size > 1:
-            peers, tokens_per_sender = transport.peers, [T]
-            count_table = transport.gather_counts(counts_E)
-        else:
-            W = c.virtual_ranks
-            peers, tokens_per_sender = virtual_peers(W, x_TD.device), [T // W + (r < T % W) for r in range(W)]
-            sender = torch.repeat_interleave(
-                torch.arange(W, device=x_TD.device), device_ints(tokens_per_sender, x_TD.device), output_size=T
-            )
-            pair_keys = (sender[:, None] * self.num_experts + topk_idx_TK).reshape(-1)
-            count_table = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)
-        return megakernel_experts(
-            x_TD, top_scores_TK, topk_idx_TK, tokens_per_sender, count_table, *self.experts.local_weights(),
-            peers, schedule,
-            score_before_experts=self.score_before_experts,
-        )
 
     def extra_repr(self) -> str:
         return (
@@ -324,13 +238,3 @@ class UniEPMoE(nn.Module):
         )
 
 
-
-def _tiles(c: UniEPConfig):
-    """(gemm, up, wgrad, wgrad_up) tile settings of a config."""
-    from uniep.kernels.grouped_gemm import GemmTiles
-
-    programs = c.num_programs or None
-    gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs)
-    wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs)
-    return (gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
-            wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))

@@ -130,11 +130,16 @@ def build_plan(
     )
 
 
+PINNED_COPY_DEVICES = ("cuda",)
+"""Device types whose small host lists go through pinned memory (the CPU tests add
+"cpu" to run that branch)."""
+
+
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """(n,) int64 on ``device`` without waiting for the device: a plain
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks
     until the GPU has drained its queue."""
     host = torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type not in PINNED_COPY_DEVICES:
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
