@@ -128,6 +128,8 @@ def run_shape(shape, T, args, rank, world, mesh):
     layers[COMPUTE] = uniep
     titan_ep = copy.deepcopy(titan)
     parallelize_module(titan_ep.experts, mesh, ExpertParallel())
+    # its GPU path (grouped GEMMs) looks the dim up by name; the CPU smoke test checks it here
+    assert "ep" in titan_ep.experts.w1.device_mesh.mesh_dim_names, titan_ep.experts.w1.device_mesh
     layers[TITAN] = titan_ep
 
     dispatch, combine = cross_rank_bytes(uniep, x_all, world)
@@ -215,7 +217,9 @@ def main() -> None:
         apply_cpu_shims()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(args.device, (world,))
+    # TorchTitan's experts find the expert-parallel dim by name (its grouped-GEMM path
+    # skips the padding that ExpertParallel already did only on a mesh dim called "ep").
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("ep",))
     if rank == 0:
         name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU processes"
         print(f"{world} x {name}, torch {torch.__version__}", flush=True)

@@ -6,10 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+if [ -x .venv/bin/python ]; then PATH="$PWD/.venv/bin:$PATH"; fi
 extra=()
-if [ "$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
   # One process per GPU: expert parallelism needs at least two.
   echo "quickstart: one GPU found, so expert-parallel degree 1 (EP 2 needs 2 GPUs or the CPU)"
   extra=(--parallelism.expert_parallel_degree 1)
 fi
-exec .venv/bin/python scripts/loss_parity.py run train_configs/qwen3_moe_debug.toml "${extra[@]}" "$@"
+exec python3 scripts/loss_parity.py run train_configs/qwen3_moe_debug.toml "${extra[@]}" "$@"

@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+if [ -x .venv/bin/python ]; then PATH="$PWD/.venv/bin:$PATH"; fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q "$@"
+exec python3 -m pytest -q "$@"
