@@ -47,6 +47,9 @@ class LossLogMetricsProcessor(MetricsProcessor):
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.loss_log = Path(job_config.job.dump_folder) / LOSS_LOG if rank0 else None
         self.logger = _KeepLast(self.logger)
+        # MFU, TFLOP/s and memory are measured against a GPU's peak and allocator: on
+        # the CPU TorchTitan's numbers for them mean nothing, so they are not kept.
+        self.kept = THROUGHPUT if torch.cuda.is_available() else {"tps": THROUGHPUT["tps"]}
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
@@ -55,7 +58,7 @@ class LossLogMetricsProcessor(MetricsProcessor):
         record = {"step": step, "loss": _as_float(global_avg_loss), "grad_norm": _as_float(grad_norm)}
         if extra_metrics and "lr" in extra_metrics:
             record["lr"] = _as_float(extra_metrics["lr"])
-        record.update({key: _as_float(self.logger.last[name]) for key, name in THROUGHPUT.items()
+        record.update({key: _as_float(self.logger.last[name]) for key, name in self.kept.items()
                        if name in self.logger.last})
         self.loss_log.parent.mkdir(parents=True, exist_ok=True)
         with self.loss_log.open("a") as f:

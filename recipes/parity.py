@@ -28,6 +28,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -82,12 +83,18 @@ def throughput_summary(run: dict[int, dict]) -> dict | None:
         return None
     skip = max(2, len(steps) // 10)
     steady = steps[skip:] or steps[-1:]
+    has = lambda key: all(key in run[s] for s in steps)  # noqa: E731 (CPU runs log no MFU or memory)
     return {
         "tps": statistics.median(run[s]["tps"] for s in steady),
-        "mfu": statistics.median(run[s]["mfu"] for s in steady),
-        "max_reserved_gib": max(run[s]["max_reserved_gib"] for s in steps),
+        "mfu": statistics.median(run[s]["mfu"] for s in steady) if has("mfu") else None,
+        "max_reserved_gib": max(run[s]["max_reserved_gib"] for s in steps) if has("max_reserved_gib") else None,
         "steps": len(steady),
     }
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted, or ``n/a`` for a metric the device does not have."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def _diff(values_a: list[float], values_b: list[float]) -> MetricDiff:
@@ -167,7 +174,8 @@ def _markdown(report: ParityReport) -> str:
         lines += ["", "| run | tokens/s per device | MFU % | peak reserved GiB | steps (median over) |",
                   "|---|---|---|---|---|"]
         for name, t in report.throughput.items():
-            lines.append(f"| {name} | {t['tps']:.0f} | {t['mfu']:.2f} | {t['max_reserved_gib']:.2f} | {t['steps']} |")
+            lines.append(f"| {name} | {t['tps']:.0f} | {fmt(t['mfu'], '.2f')} | "
+                         f"{fmt(t['max_reserved_gib'], '.2f')} | {t['steps']} |")
         if report.throughput_ratio is not None:
             lines += ["", f"Throughput {a} / {b}: {report.throughput_ratio:.3f}x"]
     lines += ["", f"| step | loss {a} | loss {b} | grad norm {a} | grad norm {b} |", "|---|---|---|---|---|"]
@@ -260,5 +268,9 @@ def write_reports(report: ParityReport, out_dir: str | Path, *, plot: bool = Tru
         paths["png"] = out / "parity.png"
         _plot(report, paths["png"])
     if wandb:
-        paths["wandb"] = _wandb(report, out)
+        try:
+            paths["wandb"] = _wandb(report, out)
+        except Exception as e:  # noqa: BLE001 (any wandb failure: the reports above are written)
+            print(f"[parity] warning: no wandb run written ({type(e).__name__}: {e}); "
+                  "the JSON, markdown and PNG reports are complete", file=sys.stderr)
     return paths

@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from recipes.models import BASELINE_OF
-from recipes.parity import Thresholds, compare_folders, write_reports
+from recipes.parity import Thresholds, compare_folders, fmt, write_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[parity] loss: max abs diff {report.diffs['loss'].max_abs:.3e}, max rel diff {report.diffs['loss'].max_rel:.3e}; "
           f"bitwise-equal steps {report.bitwise_equal_steps}/{len(report.steps)}")
     for name, t in report.throughput.items():
-        print(f"[parity] {name}: {t['tps']:.0f} tokens/s per device, MFU {t['mfu']:.2f}%, "
-              f"peak reserved {t['max_reserved_gib']:.2f} GiB (median of {t['steps']} steps)")
+        print(f"[parity] {name}: {t['tps']:.0f} tokens/s per device, MFU {fmt(t['mfu'], '.2f')}%, "
+              f"peak reserved {fmt(t['max_reserved_gib'], '.2f')} GiB (median of {t['steps']} steps)")
     if report.throughput_ratio is not None:
         print(f"[parity] throughput {report.name_a} / {report.name_b}: {report.throughput_ratio:.3f}x")
     for kind, path in paths.items():

@@ -74,6 +74,28 @@ def test_throughput_summary_skips_start_up_and_takes_medians(tmp_path):
     assert compare(log([8.0]), log([8.0]), expect="bitwise").throughput_ratio is None
 
 
+def test_cpu_runs_show_n_a_for_device_metrics(tmp_path):
+    # CPU runs log tokens/s only (MFU and memory are GPU measurements)
+    a, b = log([8.0, 7.0, 6.0]), log([8.0, 7.0, 6.0])
+    for run in (a, b):
+        for s in run:
+            run[s]["tps"] = 100.0
+    report = compare(a, b, expect="bitwise", name_a="uniep", name_b="torchtitan")
+    assert report.throughput["uniep"]["mfu"] is None and report.throughput["uniep"]["max_reserved_gib"] is None
+    text = write_reports(report, tmp_path, plot=False, wandb=False)["markdown"].read_text()
+    assert "| uniep | 100 | n/a | n/a | 1 |" in text
+
+
+def test_a_wandb_failure_costs_one_warning_not_the_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails, as with a broken install
+    report = compare(log([8.0, 7.0]), log([8.0, 7.0]), expect="bitwise")
+    paths = write_reports(report, tmp_path)
+    assert {"json", "markdown", "png"} <= set(paths) and "wandb" not in paths
+    assert all(p.is_file() for p in paths.values())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[parity] warning: no wandb run written (ModuleNotFoundError")
+
+
 def parity_cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "loss_parity.py"), "compare", *args, "--no-wandb"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
