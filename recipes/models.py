@@ -84,10 +84,24 @@ def _uniep_parallelize_fn(titan_fn: Callable, titan_module) -> Callable:
     return parallelize
 
 
+SHORT_FLAVORS = {"30B-A3B-8L": ("30B-A3B", 8), "16B-8L": ("16B", 8)}
+"""Flavor -> (TorchTitan flavor, layers): the real layer shapes with fewer layers, so a
+model fits on one 2-GPU machine for parity and speed runs (UniEP and baselines alike)."""
+
+
+def with_short_flavors(model_args: dict) -> dict:
+    """TorchTitan's flavors plus the ``SHORT_FLAVORS`` whose full flavor it has."""
+    flavors = dict(model_args)
+    for name, (full, layers) in SHORT_FLAVORS.items():
+        if full in model_args:
+            flavors[name] = dataclasses.replace(model_args[full], n_layers=layers)
+    return flavors
+
+
 def _uniep_train_spec(titan_name: str, model_cls: type, parallelize_fn, parallelize_module) -> TrainSpec:
     titan_spec = get_train_spec(titan_name)
     flavors = {}
-    for flavor, args in titan_spec.model_args.items():
+    for flavor, args in with_short_flavors(titan_spec.model_args).items():
         if getattr(args, "moe_enabled", True) and getattr(args, "moe_args", None) is not None:
             args_cls = _uniep_args_cls(type(args))
             flavors[flavor] = args_cls(
@@ -133,8 +147,10 @@ def register_all() -> None:
             register_train_spec(name, _uniep_train_spec(titan_name, model_cls, fn, module))
     for name, titan_name in BASELINE_SPECS.items():
         if name not in registered:
+            titan_spec = get_train_spec(titan_name)
             register_train_spec(name, dataclasses.replace(
-                get_train_spec(titan_name),
+                titan_spec,
+                model_args=with_short_flavors(titan_spec.model_args),
                 build_tokenizer_fn=data.build_tokenizer,
                 build_metrics_processor_fn=build_metrics_processor,
             ))

@@ -105,3 +105,15 @@ def test_torchtitan_load_balancing_hook_updates_uniep_layers(single_process_grou
     expected = layer.load_balance_coeff * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(layer.expert_bias, expected - expected.mean())
     assert layer.tokens_per_expert.sum().item() == 0
+
+
+@pytest.mark.parametrize("uniep_spec, titan_spec, short, full", [
+    ("uniep_qwen3", "titan_qwen3", "30B-A3B-8L", "30B-A3B"),
+    ("uniep_deepseek_v3", "titan_deepseek_v3", "16B-8L", "16B"),
+])
+def test_short_flavors_keep_the_layer_shapes_with_8_layers(uniep_spec, titan_spec, short, full):
+    for spec in (uniep_spec, titan_spec):  # UniEP and its baseline have the same flavor
+        flavors = get_train_spec(spec).model_args
+        short_args, full_args = flavors[short], flavors[full]
+        assert short_args.n_layers == 8 and full_args.n_layers > 8
+        assert repr(dataclasses.replace(short_args, n_layers=full_args.n_layers)) == repr(full_args)
