@@ -31,6 +31,8 @@ from recipes.models import BASELINE_OF
 from recipes.parity import Thresholds, compare_folders, fmt, write_reports
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAINING_FAILED = 3
+"""Exit status when a training run fails (1: the verdict failed)."""
 
 
 def train(name: str, config: str, dump_folder: Path, args: list[str]) -> None:
@@ -47,7 +49,8 @@ def train(name: str, config: str, dump_folder: Path, args: list[str]) -> None:
                 print(f"[parity] {name}: {line.split(' - ')[-1].rstrip()}", flush=True)
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        sys.exit(f"{tail}[parity] training {name} failed (exit {proc.returncode}); full log: {log}")
+        print(f"{tail}[parity] training {name} failed (exit {proc.returncode}); full log: {log}", file=sys.stderr)
+        sys.exit(TRAINING_FAILED)
 
 
 def baseline_args(config: str, baseline: str) -> list[str]:

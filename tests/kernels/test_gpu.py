@@ -113,6 +113,34 @@ def test_megakernel_skewed_routing_no_deadlock():
     assert all(torch.equal(a, b) for a, b in zip(fwd_bwd(uniep, x, grad), reference))
 
 
+def test_float32_runs_at_the_default_tiles():
+    """float32 layers (the debug configs) launch the default tiles fitted to shared
+    memory (they once died with OutOfResources) and match the PyTorch backend."""
+    from uniep import UniEPConfig
+
+    _, uniep = build()
+    uniep.float()
+    x = torch.randn(1, 600, 256, device="cuda")
+    grad = torch.randn_like(x)
+    got = fwd_bwd(uniep, x, grad)
+    reference = copy.deepcopy(uniep)
+    reference.config = UniEPConfig(backend="torch")
+    for g, r in zip(got, fwd_bwd(reference, x, grad)):
+        assert rel_err(g, r) < 1e-5  # IEEE float32 dots (PyTorch's TF32 switch is off)
+
+
+def test_compiled_layer_matches_eager():
+    """``torch.compile(fullgraph=True)`` with Inductor: the routed experts stay one opaque
+    op (the same kernels), the router and shared experts are compiled."""
+    _, uniep = build()
+    x = torch.randn(2, 700, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    eager = fwd_bwd(uniep, x, grad)
+    compiled = fwd_bwd(torch.compile(uniep, fullgraph=True), x, grad)
+    for c, e in zip(compiled, eager):
+        assert rel_err(c, e) < 1e-2
+
+
 def _symmetric_worker(rank, world, per_node, init_file, results):
     try:
         results.put((rank, _symmetric_run(rank, world, per_node, init_file)))
