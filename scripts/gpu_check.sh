@@ -6,6 +6,7 @@
 #
 #   scripts/gpu_check.sh            # about 8 minutes on 2 H200s
 #   GPU_CHECK_LOGS=DIR scripts/gpu_check.sh
+#   GPU_CHECK_ONLY="compiled_8l megakernel" scripts/gpu_check.sh   # these items only
 #
 # With 2+ GPUs the compiled and megakernel runs use the 8-layer Qwen3-30B-A3B config
 # (FSDP 2 + EP 2); with one GPU, the debug config (EP 1, the megakernel on 2 virtual
@@ -33,6 +34,7 @@ summary=()
 item() {
   local name=$1 detail=$2 status start elapsed
   shift 3
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then return; fi
   start=$(date +%s)
   echo "gpu_check: $name ..."
   if timeout --kill-after=30 "$limit" "$@" > "$logs/$name.log" 2>&1; then status=PASS; else status=FAIL; fi

@@ -124,3 +124,17 @@ def test_bad_input_shape_is_named():
     _, uniep = make_pair(ROUTERS["qwen3"], seed=1)
     with pytest.raises(ValueError, match=r"expects x of shape \(batch, seq, dim\); got \(4, 32\)"):
         uniep(torch.randn(4, DIM))
+
+
+def test_routing_is_not_cast_by_fsdp_mixed_precision():
+    """FSDP casts floating-point module arguments (through tuples, dicts, dataclasses) to
+    its parameter dtype; the router scores handed to the experts must stay fp32."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from uniep.experts import Routing
+
+    routing = Routing(torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int64))
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, (routing,))
+    assert cast[0].scores_TK.dtype == torch.float32
+    # the control: the same tensors in a tuple are cast
+    assert _apply_to_tensors(lambda t: t.to(torch.bfloat16), (routing.scores_TK,))[0].dtype == torch.bfloat16

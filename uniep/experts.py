@@ -7,8 +7,6 @@ Parameter names and shapes match TorchTitan 0.2.2 (``experts.w1/w2/w3``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,16 +16,20 @@ from uniep.init import trunc_normal_
 from uniep.routed_op import routed_experts
 
 
-@dataclass(frozen=True)
 class Routing:
     """Where a batch's tokens go: ``scores_TK`` (T, K) fp32 router scores, ``topk_TK``
-    (T, K) expert ids, ``counts_E`` (E,) pairs per expert. One object rather than three
-    arguments: FSDP casts a module's floating-point tensor arguments to its parameter
-    dtype, and the scores stay fp32 (as TorchTitan's, applied outside its experts)."""
+    (T, K) expert ids, ``counts_E`` (E,) pairs per expert.
 
-    scores_TK: torch.Tensor
-    topk_TK: torch.Tensor
-    counts_E: torch.Tensor
+    A plain class on purpose: FSDP casts the floating-point tensors among a module's
+    arguments to its parameter dtype, looking into tuples, dicts and dataclasses, and
+    the scores must stay fp32 (TorchTitan applies them outside its experts). Cast, they
+    were bf16 in the forward and fp32 when activation checkpointing recomputed it.
+    """
+
+    __slots__ = ("scores_TK", "topk_TK", "counts_E")
+
+    def __init__(self, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor):
+        self.scores_TK, self.topk_TK, self.counts_E = scores_TK, topk_TK, counts_E
 
 
 class GroupedExperts(nn.Module):
