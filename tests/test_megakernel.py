@@ -106,6 +106,36 @@ def test_virtual_ranks_bitwise_equal_to_one_rank(W, T, K, E, D, H, kind, dtype, 
         assert torch.equal(a, b), name
 
 
+def test_layers_sharing_virtual_buffers_backward_after_all_forwards():
+    """Training order: every layer's forward, then the backwards in reverse. Layers share
+    one buffer set and their owners hold different numbers of rows (random vs skewed
+    routing): each backward must use its own call's row regions (it waited forever on
+    the last forward's: a MegakernelWaitError on an H200)."""
+    W, T, K, E, D, H = 2, 7, 3, 8, 32, 16
+    gen = torch.Generator().manual_seed(11)
+    peers = PeerBuffers.virtual(W)
+    layers = [make_inputs(W, T, K, E, D, H, kind, gen, torch.float32) for kind in ("random", "one_rank")]
+    references, outs, leaves_of = [], [], []
+    for topk, leaves, grad in layers:
+        table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+        order = torch.argsort(topk.reshape(-1), stable=True)
+        references.append(run_grads(
+            lambda x, s, w1, w2, w3, topk=topk, order=order: fused_experts(
+                x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=False,
+                tiles=TILES, wgrad_tiles=TILES), leaves, grad))
+        leaves = [t.clone().requires_grad_(True) for t in leaves]
+        outs.append(megakernel_experts(leaves[0], leaves[1], topk, [T] * W, table, *leaves[2:], peers,
+                                       schedule(), score_before_experts=False))
+        leaves_of.append(leaves)
+    for (_, _, grad), out, leaves in reversed(list(zip(layers, outs, leaves_of))):
+        out.backward(grad)
+    peers.raise_pending_errors()  # no wait gave up
+    for reference, out, leaves in zip(references, outs, leaves_of):
+        for name, a, b in zip(["out", "x", "scores", "w1", "w2", "w3"], [out.detach()] + [t.grad for t in leaves],
+                              reference):
+            assert torch.equal(a, b), name
+
+
 def test_schedule_knobs_do_not_change_bits():
     W, T, K, E = 2, 9, 3, 8
     gen = torch.Generator().manual_seed(3)

@@ -137,10 +137,13 @@ class PeerBuffers:
         return self.epoch
 
     def prepare(self, tokens: int, top_k: int, rows_per_owner: list[int], dim: int, dtype: torch.dtype,
-                device: torch.device, pairs: int | None = None) -> None:
+                device: torch.device, pairs: int | None = None) -> torch.Tensor | None:
         """Make room for a call (every rank of a real group decides the same: the inputs
         come from the all-gathered count table) and point the row regions at each
-        owner's rows. ``pairs``: return rows a sender needs (default ``tokens * top_k``)."""
+        owner's rows. ``pairs``: return rows a sender needs (default ``tokens * top_k``).
+        Returns the call's row bases (virtual owners share one row space, so they move
+        with each call's rows; None for a real group): its backward points the row
+        regions back at them with :meth:`point_rows`, after later layers' calls."""
         rows = max(rows_per_owner) if self.group is not None else sum(rows_per_owner[self.rank0:self.rank0 + self.local_ranks])
         pairs = tokens * top_k if pairs is None else pairs
         if (tokens > self.tokens_cap or pairs > self.pairs_cap or rows > self.rows_cap
@@ -153,6 +156,13 @@ class PeerBuffers:
         if self.group is None:
             # Virtual owners share one row space: owner d's rows start at row_base[d].
             row_base = device_ints([sum(rows_per_owner[:d]) for d in range(self.world)], device)
+            self.point_rows(row_base)
+            return row_base
+        return None
+
+    def point_rows(self, row_base: torch.Tensor | None) -> None:
+        """Point the row regions at a call's rows (``prepare``'s result; None: nothing to do)."""
+        if row_base is not None:
             self.deltas.update({name: row_base for name in _ROW_REGIONS})
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -404,6 +414,8 @@ class Launch:
     """Hierarchical transport: the inter-node legs around this (intra-node) launch,
     whose senders are then relays of other ranks' tokens
     (:class:`uniep.transport.hierarchical.RelayLegs`)."""
+    row_base: torch.Tensor | None = None
+    """Virtual ranks: where this call's owners' rows start (``PeerBuffers.prepare``)."""
 
 
 def _senders_rows(region: torch.Tensor, sends: Sends, pairs_cap: int, top_k: int) -> torch.Tensor:
@@ -439,6 +451,7 @@ class _MegakernelExperts(torch.autograd.Function):
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, launch: Launch):
         peers, sends, rows, sched, relay = launch.peers, launch.sends, launch.rows, launch.schedule, launch.relay
         before = launch.score_before_experts
+        peers.point_rows(launch.row_base)
         K = scores_TK.shape[1]
         dtypes = (w1.dtype, w2.dtype, w3.dtype)
         w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
@@ -475,6 +488,7 @@ class _MegakernelExperts(torch.autograd.Function):
         launch = ctx.launch
         peers, sends, rows, sched, relay = launch.peers, launch.sends, launch.rows, launch.schedule, launch.relay
         before = launch.score_before_experts
+        peers.point_rows(launch.row_base)  # later layers' calls moved them
         K = scores_TK.shape[1]
         E_local = w1.shape[0]
         grad_out_TD = grad_out_TD.contiguous()
@@ -553,11 +567,11 @@ def megakernel_experts(
     peers.raise_pending_errors(synchronize=False)
     tokens_per_rank = [sum(counts) // K for counts in table]
     rows_per_owner = [sum(sum(counts[d * El:(d + 1) * El]) for counts in table) for d in range(W)]
-    peers.prepare(max(tokens_per_rank), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)
+    row_base = peers.prepare(max(tokens_per_rank), K, rows_per_owner, x_TD.shape[1], x_TD.dtype, x_TD.device)
     scores_TK = scores_TK.float().contiguous()
     sends = build_sends(topk_TK, scores_TK, tokens_per_sender, count_table_WE, peers.rank0, peers.tokens_cap,
                         schedule.relay_dedup)
     rows = owner_rows(count_table_WE, rows_per_owner, peers.rank0, peers.local_ranks, schedule.gemm.block_m,
                       peers.world * peers.tokens_cap)
-    launch = Launch(peers, sends, rows, schedule, score_before_experts)
+    launch = Launch(peers, sends, rows, schedule, score_before_experts, row_base=row_base)
     return _MegakernelExperts.apply(x_TD.contiguous(), scores_TK, w1, w2, w3, launch)
