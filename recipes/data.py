@@ -24,8 +24,9 @@ CORPUS_DIR = ASSETS / "corpus"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 EMBEDDED_TOKENIZER = "embedded"
 
-# Datasets whose [training] dataset_path must name existing local files.
-LOCAL_FILE_DATASETS = ("jsonl", "parquet")
+# Datasets whose [training] dataset_path must name existing local files, and the
+# Hugging Face ``datasets`` builder that reads each (packaged with it: no download).
+LOCAL_FILE_DATASETS = {"jsonl": "json", "parquet": "parquet"}
 
 
 def corpus_paragraphs(corpus_dir: Path = CORPUS_DIR) -> list[str]:
@@ -48,7 +49,7 @@ def _load_corpus(path: str):
 def _load_local(kind: str, path: str):
     from datasets import load_dataset
 
-    return load_dataset(kind, data_files=sorted(glob.glob(path)) or path, split="train")
+    return load_dataset(LOCAL_FILE_DATASETS[kind], data_files=sorted(glob.glob(path)) or path, split="train")
 
 
 def _load_streaming(name: str | None, path: str):

@@ -31,8 +31,35 @@ def config_file_from_args(args: list[str]) -> str | None:
     return None
 
 
-def check_toml(path: str) -> dict:
-    """The TOML must exist and parse, and its ``[uniep]`` table must be valid."""
+def overridden_uniep_keys(args: list[str]) -> set[str]:
+    """``[uniep]`` keys given on the command line (``--uniep.key value`` or ``=value``)."""
+    keys = set()
+    for arg in args:
+        if arg.startswith("--uniep."):
+            keys.add(arg[len("--uniep."):].partition("=")[0].replace("-", "_").removeprefix("no_"))
+    return keys
+
+
+def config_manager(overridden: set[str]):
+    """TorchTitan's ConfigManager, except that ``[uniep]`` keys given on the command line
+    are left out of the TOML's defaults: TorchTitan builds the TOML's section before it
+    applies the command line, so a bad TOML value could not be corrected there."""
+    from torchtitan.config import ConfigManager
+
+    class _Manager(ConfigManager):
+        def _maybe_load_toml(self, args):
+            values = super()._maybe_load_toml(args)
+            if values and isinstance(values.get("uniep"), dict):
+                values["uniep"] = {k: v for k, v in values["uniep"].items() if k not in overridden}
+            return values
+
+    return _Manager()
+
+
+def check_toml(path: str, overridden: set[str] = frozenset()) -> dict:
+    """The TOML must exist and parse, and its ``[uniep]`` table must be valid, except for
+    the ``overridden`` keys (the command line replaces them; the merged config is
+    checked when it is built)."""
     if not Path(path).is_file():
         raise PreflightError(f"--job.config_file {path!r}: no such file")
     with open(path, "rb") as f:
@@ -41,7 +68,7 @@ def check_toml(path: str) -> dict:
         except tomllib.TOMLDecodeError as e:
             raise PreflightError(f"{path}: not valid TOML: {e}") from None
     try:
-        UniEPConfig.from_dict(table.get("uniep"))
+        UniEPConfig.from_dict({k: v for k, v in (table.get("uniep") or {}).items() if k not in overridden})
     except UniEPConfigError as e:
         raise PreflightError(f"{path}: {e}") from None
     return table
@@ -71,6 +98,11 @@ def check_job(job_config, train_spec, world_size: int) -> None:
             f"allowed: {', '.join(train_spec.model_args)}"
         )
     moe_args = getattr(train_spec.model_args[flavor], "moe_args", None)
+    for name in ("steps", "local_batch_size", "seq_len"):
+        value = getattr(job_config.training, name)
+        if value < 1:
+            raise PreflightError(f"training.{name} = {value} must be >= 1")
+    check_backend(job_config.uniep.backend)
     if ep < 1:
         raise PreflightError(f"parallelism.expert_parallel_degree = {ep} must be >= 1")
     if ep > 1 and moe_args is not None and moe_args.num_experts % ep != 0:
@@ -101,6 +133,17 @@ def check_job(job_config, train_spec, world_size: int) -> None:
         )
 
 
+def check_backend(backend: str) -> None:
+    """``backend = 'triton'`` runs on CUDA GPUs (the Triton interpreter stands in on CPU
+    test machines)."""
+    import torch
+
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise PreflightError(
+            "uniep.backend = 'triton' runs on CUDA GPUs; this machine has none: use uniep.backend = 'auto' or 'torch'"
+        )
+
+
 def check_megakernel_placement(ep: int) -> None:
     """The megakernel reaches its peers through symmetric memory: CUDA GPUs of one node.
     The expert-parallel group (consecutive ranks) must fit in a node or be whole nodes
@@ -121,27 +164,72 @@ def check_megakernel_placement(ep: int) -> None:
         )
 
 
+def _step_number(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
 def existing_checkpoints(job_config) -> list[Path]:
-    if not job_config.checkpoint.enable:
-        return []
+    """The ``step-N`` folders of the job's checkpoint folder, by step number."""
     folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
-    return sorted(folder.glob("step-*")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.glob("step-*") if _step_number(p) >= 0), key=_step_number)
 
 
-def check_checkpoint_folder(job_config, *, resume: bool, overwrite: bool, is_rank0: bool) -> None:
+def complete(step_folder: Path) -> bool:
+    """A save finished: DCP writes ``.metadata`` last."""
+    return (step_folder / ".metadata").is_file()
+
+
+def resume_step(job_config) -> int | None:
+    """The step a ``--resume`` run continues from (its last complete checkpoint), or None."""
+    done = [p for p in existing_checkpoints(job_config) if complete(p)] if job_config.checkpoint.enable else []
+    return _step_number(done[-1]) if done else None
+
+
+def check_checkpoint_folder(job_config, *, resume: bool, overwrite: bool, is_rank0: bool) -> str | None:
     """An existing checkpoint folder is never written over unless asked: ``resume``
-    continues from its last step, ``overwrite`` deletes it first (rank 0 only, before
-    any rank can join the process group)."""
-    found = existing_checkpoints(job_config)
+    continues from its last complete step, ``overwrite`` deletes it first (rank 0 only,
+    before any rank can join the process group). Returns a warning to log, if any.
+
+    Refused: both flags at once; ``resume`` with checkpointing off; ``resume`` where
+    step folders exist but none is complete (it would start again from step 1 and
+    write over them)."""
+    if resume and overwrite:
+        raise PreflightError(
+            "--resume and --overwrite-checkpoints contradict each other (continue from the checkpoints, or "
+            "delete them?); pass one (scripts/slurm/train.sbatch always passes --resume)"
+        )
+    if resume and not job_config.checkpoint.enable:
+        raise PreflightError(
+            "--resume needs checkpoint.enable = true (checkpointing is off in this config, so there is nothing "
+            "to resume from); add --checkpoint.enable or leave out --resume"
+        )
+    found = existing_checkpoints(job_config) if job_config.checkpoint.enable else []
     if not found:
-        return
+        return None
     folder = found[0].parent
     if overwrite:
         if is_rank0:
             shutil.rmtree(folder)
-        return
+        return f"--overwrite-checkpoints: deleted {folder} ({', '.join(p.name for p in found)})"
     if not resume:
         raise PreflightError(
             f"checkpoint folder {str(folder)!r} already holds {found[-1].name}; pass --resume to "
             "continue from it, --overwrite-checkpoints to delete it, or set a new job.dump_folder"
         )
+    done = [p for p in found if complete(p)]
+    if not done:
+        raise PreflightError(
+            f"--resume: no complete checkpoint in {str(folder)!r} ({', '.join(p.name for p in found)} "
+            "lack .metadata: a save was interrupted); refusing to start again from step 1 over them. "
+            "Move them away, or start over with --overwrite-checkpoints (without --resume)"
+        )
+    skipped = [p.name for p in found if _step_number(p) > _step_number(done[-1])]
+    if skipped:
+        return (f"--resume: {', '.join(skipped)} in {folder} is incomplete (no .metadata: a save was "
+                f"interrupted); resuming from {done[-1].name}")
+    return None

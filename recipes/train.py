@@ -3,7 +3,9 @@
 Run it under torchrun (``scripts/run_train.sh`` does). On top of TorchTitan's own flags
 it takes ``--resume`` (continue from an existing checkpoint folder) and
 ``--overwrite-checkpoints`` (delete it first); without either, an existing checkpoint
-folder stops the run before it starts.
+folder stops the run before it starts. ``--check-only`` runs the checks alone, in one
+process, and exits (0, or 2 with the error): ``scripts/run_train.sh`` calls it before
+torchrun starts, so a bad config gives one message, not one per rank.
 """
 
 from __future__ import annotations
@@ -15,40 +17,54 @@ import sys
 from recipes.cpu import apply_cpu_shims
 
 
+CONFIG_ERROR = 2
+"""Exit status of a configuration error (caught before any process group starts)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--overwrite-checkpoints", action="store_true")
+    parser.add_argument("--check-only", action="store_true")
     ours, titan_args = parser.parse_known_args(argv)
 
     apply_cpu_shims()
-    from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
 
     from recipes import preflight
+    from recipes.metrics import start_loss_log
     from recipes.models import register_all
 
     init_logger()
     register_all()
+    rank0 = int(os.environ.get("RANK", "0")) == 0 and not ours.check_only
     try:
         config_file = preflight.config_file_from_args(titan_args)
-        toml = preflight.check_toml(config_file) if config_file is not None else {}
+        overridden = preflight.overridden_uniep_keys(titan_args)
+        toml = preflight.check_toml(config_file, overridden) if config_file is not None else {}
         titan_args = preflight.resolve_embedded_tokenizer(titan_args, toml)
-        job_config = ConfigManager().parse_args(titan_args)
+        job_config = preflight.config_manager(overridden).parse_args(titan_args)
         preflight.check_job(
             job_config, get_train_spec(job_config.model.name), int(os.environ.get("WORLD_SIZE", "1"))
         )
-        preflight.check_checkpoint_folder(
-            job_config,
-            resume=ours.resume,
-            overwrite=ours.overwrite_checkpoints,
-            is_rank0=int(os.environ.get("RANK", "0")) == 0,
+        warning = preflight.check_checkpoint_folder(
+            job_config, resume=ours.resume, overwrite=ours.overwrite_checkpoints, is_rank0=rank0,
         )
     except ValueError as e:
-        sys.exit(f"uniep: configuration error: {e}")
+        print(f"uniep: configuration error: {e}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
+    if ours.check_only:
+        print(f"uniep: configuration OK ({config_file})")
+        return
+    if warning:
+        logger.warning(warning)
+    if rank0:
+        moved = start_loss_log(job_config.job.dump_folder, preflight.resume_step(job_config) if ours.resume else None)
+        if moved:
+            logger.warning(moved)
 
     import torch
 

@@ -24,5 +24,8 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# The config is checked once here, so an error reads as one message, not one per rank.
+WORLD_SIZE=$NPROC python -m recipes.train --check-only --job.config_file "$config" "$@" >/dev/null || exit $?
+
 exec torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter="${LOG_RANK:-0}" --role rank --tee 3 \
   -m recipes.train --job.config_file "$config" "$@"

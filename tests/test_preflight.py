@@ -152,3 +152,90 @@ def test_megakernel_placement(monkeypatch):
     for ep in (3, 6, 12):
         with pytest.raises(PreflightError, match=f"expert_parallel_degree = {ep} must divide or be a multiple of the 8"):
             check_megakernel_placement(ep)
+
+
+@pytest.mark.parametrize("flag, value", [("steps", "0"), ("steps", "-5"), ("local_batch_size", "0"),
+                                         ("local_batch_size", "-1"), ("seq_len", "0")])
+def test_sizes_must_be_positive(train, flag, value):
+    assert_stopped_with(train(f"--training.{flag}", value), f"training.{flag} = {value} must be >= 1")
+
+
+def test_triton_backend_needs_gpus(train, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_stopped_with(train("--uniep.backend", "triton"), "uniep.backend = 'triton' runs on CUDA GPUs")
+
+
+def test_a_bad_toml_value_can_be_corrected_on_the_command_line(tmp_path, monkeypatch, capsys):
+    config = edited_config(tmp_path, 'backend = "auto"', 'backend = "cuda"')
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(ROOT)
+    main(["--check-only", "--job.config_file", str(config), "--uniep.backend", "torch"])
+    assert "configuration OK" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the control: without the override it is refused
+        main(["--check-only", "--job.config_file", str(config)])
+    assert "uniep.backend = 'cuda' is not allowed" in capsys.readouterr().err
+
+
+def test_resume_and_overwrite_contradict(train, tmp_path):
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)
+    assert_stopped_with(
+        train("--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--resume", "--overwrite-checkpoints"),
+        "--resume and --overwrite-checkpoints contradict each other",
+    )
+    assert (tmp_path / "checkpoint" / "step-2").is_dir()  # nothing deleted
+
+
+def test_resume_needs_checkpointing(train, tmp_path):
+    assert_stopped_with(train("--job.dump_folder", str(tmp_path), "--resume"),
+                        "--resume needs checkpoint.enable = true")
+
+
+def test_resume_refuses_when_no_step_is_complete(train, tmp_path):
+    step = tmp_path / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"shard")  # a save that died before .metadata
+    assert_stopped_with(
+        train("--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--resume"),
+        "--resume: no complete checkpoint in",
+    )
+    assert (step / "__0_0.distcp").read_bytes() == b"shard"
+
+
+def test_refusal_names_the_last_step_by_number(train, tmp_path):
+    for n in (5, 10):
+        (tmp_path / "checkpoint" / f"step-{n}").mkdir(parents=True)
+    assert_stopped_with(train("--job.dump_folder", str(tmp_path), "--checkpoint.enable"), "already holds step-10;")
+
+
+def test_resume_warns_about_an_incomplete_last_step(tmp_path):
+    from types import SimpleNamespace
+
+    from recipes.preflight import check_checkpoint_folder, resume_step
+
+    for n, done in ((5, True), (10, False)):
+        (tmp_path / "checkpoint" / f"step-{n}").mkdir(parents=True)
+        if done:
+            (tmp_path / "checkpoint" / f"step-{n}" / ".metadata").write_bytes(b"")
+    job = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path)),
+                          checkpoint=SimpleNamespace(enable=True, folder="checkpoint"))
+    warning = check_checkpoint_folder(job, resume=True, overwrite=False, is_rank0=True)
+    assert "step-10" in warning and "incomplete" in warning and "resuming from step-5" in warning
+    assert resume_step(job) == 5
+
+
+def test_a_config_error_is_one_message_before_torchrun(tmp_path):
+    """run_train.sh checks the config once, before torchrun: one line, exit 2, no
+    per-rank tracebacks or torchrun failure banner."""
+    import subprocess
+
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "run_train.sh"), str(CONFIG), "--training.steps", "0"],
+        env={**__import__("os").environ, "NPROC": "2"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "configuration error" in line]
+    assert errors == ["uniep: configuration error: training.steps = 0 must be >= 1"], result.stderr[-2000:]
+    assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr

@@ -49,3 +49,17 @@ def test_auto_config_resolves_to_a_concrete_config_in_training(deepseek_runs):
     output = (deepseek_runs["perturbed_lr"] / "output.log").read_text()
     assert "UniEP config = 'auto' for D256-H256-E8-K3, 4096 tokens, EP 2: cost model" in output
     assert "-> {'gemm_block_m': " in output
+
+
+def test_expert_fsdp_over_several_ranks_trains_like_one(tmp_path):
+    """4 processes: at EP 2 the routed experts are FSDP-sharded over 2 ranks (their FSDP
+    gathers them before the routed-expert call), at EP 4 over one; the same model and
+    batch give the same losses (the gradient reductions differ, so not bitwise). Before
+    the experts ran inside their own module's forward, EP 2 here failed (IndexError)."""
+    for ep in (2, 4):
+        run_train("deepseek_v3_debug.toml", tmp_path / f"ep{ep}", "--training.steps", "3",
+                  "--parallelism.expert_parallel_degree", str(ep), nproc=4)
+    ep2, ep4 = read_loss_log(tmp_path / "ep2"), read_loss_log(tmp_path / "ep4")
+    assert sorted(ep2) == sorted(ep4) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert math.isclose(ep2[step]["loss"], ep4[step]["loss"], rel_tol=1e-5), (step, ep2[step], ep4[step])

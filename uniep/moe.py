@@ -144,6 +144,13 @@ class UniEPMoE(nn.Module):
         only this rank's contiguous slice of experts (rank r owns experts
         ``[r*E/W, (r+1)*E/W)``).
         """
+        missing = [name for name in ("experts.w1", "experts.w2", "experts.w3", "router.gate", "router.top_k")
+                   if not _has_path(moe, name)]
+        if missing:
+            raise TypeError(
+                f"UniEPMoE.from_torchtitan expects a torchtitan.models.moe.MoE (with experts.w1/w2/w3 and a "
+                f"router); got {type(moe).__name__}, which lacks {', '.join(missing)}"
+            )
         w1 = moe.experts.w1
         num_experts, hidden_dim, dim = w1.shape
         shared = moe.shared_experts
@@ -220,6 +227,8 @@ class UniEPMoE(nn.Module):
             raise ValueError(f"UniEPMoE expects x of shape (batch, seq, dim); got {tuple(x.shape)}")
         B, S, D = x.shape
         x_TD = x.reshape(B * S, D)
+        if topk_idx is not None:
+            self._check_routing(topk_idx, B * S)
 
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
         counts_E = local_counts(topk_idx_TK, self.num_experts)
@@ -231,6 +240,28 @@ class UniEPMoE(nn.Module):
             out_TD = in_fixed_row_blocks(self.shared_experts, x_TD) + out_TD
         return out_TD.view(B, S, D)
 
+    def _check_routing(self, topk_idx: torch.Tensor, tokens: int) -> None:
+        """A given routing: (tokens, top_k) integers in [0, E), no expert twice in a row."""
+        K, E = self.top_k, self.num_experts
+        if topk_idx.shape != (tokens, K) or topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+            raise ValueError(
+                f"topk_idx must be an integer tensor of shape (batch*seq, top_k) = ({tokens}, {K}); "
+                f"got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}"
+            )
+        if tokens == 0:
+            return
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        if low < 0 or high >= E:
+            raise ValueError(f"topk_idx holds experts {low}..{high}; allowed: 0..{E - 1} (num_experts = {E})")
+        sorted_TK = topk_idx.sort(dim=1).values
+        repeats = (sorted_TK[:, 1:] == sorted_TK[:, :-1]).any(dim=1)
+        if bool(repeats.any()):
+            t = int(repeats.nonzero()[0, 0])
+            raise ValueError(
+                f"topk_idx routes token {t} to expert(s) more than once: {topk_idx[t].tolist()} "
+                "(each token's top_k experts must differ)"
+            )
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -238,3 +269,9 @@ class UniEPMoE(nn.Module):
         )
 
 
+def _has_path(obj, dotted: str) -> bool:
+    for name in dotted.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
