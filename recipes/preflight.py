@@ -13,10 +13,9 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from recipes import data
 from uniep import UniEPConfig, UniEPConfigError
 from uniep.transport import ranks_per_node
-
-from recipes import data
 
 
 class PreflightError(ValueError):

@@ -16,7 +16,6 @@ import sys
 
 from recipes.cpu import apply_cpu_shims
 
-
 CONFIG_ERROR = 2
 """Exit status of a configuration error (caught before any process group starts)."""
 

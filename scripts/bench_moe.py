@@ -193,9 +193,9 @@ def run_shape(shape, args) -> list[Row]:
     if args.ep:
         rows += megakernel_rows(uniep, x, grad, ref, flops, args)
     if args.sweep:
-        from uniep import UniEPConfig
-
         from triton.runtime.errors import OutOfResources
+
+        from uniep import UniEPConfig
 
         for label, knobs in SWEEP.items():
             variant = copy.copy(uniep)

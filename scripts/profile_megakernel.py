@@ -34,10 +34,12 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             uniep(x).backward(grad)
             torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith(("_Mega", "autograd", "aten::", "Activity"))]
+        skip = ("_Mega", "autograd", "aten::", "Activity")
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith(skip)]
         kernels.sort(key=lambda e: -e.device_time_total)
         total = sum(e.self_device_time_total for e in kernels)
-        print(f"== {ranks} rank(s): device {total / 1e3:.2f} ms in kernels, host {prof.key_averages().self_cpu_time_total / 1e3:.1f} ms (profiled)")
+        host_ms = prof.key_averages().self_cpu_time_total / 1e3
+        print(f"== {ranks} rank(s): device {total / 1e3:.2f} ms in kernels, host {host_ms:.1f} ms (profiled)")
         for e in kernels[:8]:
             print(f"   {e.key[:48]:48s} {e.count:4d} launches {e.self_device_time_total / 1e3:7.3f} ms")
 

@@ -79,7 +79,8 @@ def main() -> None:
               f"(tokens per rank {tokens}), cached under EP 1")
         ep = 1
     spec = device_spec()
-    print(f"device {spec.name}: matmul {spec.matmul_flops / 1e12:.0f} TFLOP/s, copy {spec.copy_bytes_per_s / 1e12:.2f} TB/s (measured, cached)")
+    print(f"device {spec.name}: matmul {spec.matmul_flops / 1e12:.0f} TFLOP/s, "
+          f"copy {spec.copy_bytes_per_s / 1e12:.2f} TB/s (measured, cached)")
     start = time.perf_counter()
     rank(shape, tokens, spec, top=1)
     print(f"cost model: full space searched in {time.perf_counter() - start:.3f} s")

@@ -15,7 +15,8 @@ ROUTERS = {
     # DeepSeek-V3 debug/16B: softmax, 2 shared experts
     "deepseek_v3": dict(num_experts=8, top_k=3, num_shared_experts=2, score_func="softmax", route_norm=False, score_before_experts=False),
     # DeepSeek-V3 671B: sigmoid, node-limited groups, route scale
-    "deepseek_v3_671b": dict(num_experts=16, top_k=4, num_shared_experts=1, score_func="sigmoid", route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2),
+    "deepseek_v3_671b": dict(num_experts=16, top_k=4, num_shared_experts=1, score_func="sigmoid", route_norm=True,
+                             route_scale=2.5, num_expert_groups=4, num_limited_groups=2),
     # scores applied before the experts, gate with bias, top-1
     "score_before": dict(num_experts=4, top_k=1, num_shared_experts=1, score_func="sigmoid", gate_bias=True, score_before_experts=True),
 }

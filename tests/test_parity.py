@@ -110,7 +110,8 @@ def test_resumed_run_is_bitwise_equal_to_the_uninterrupted_one(deepseek_runs, tm
 
 @pytest.mark.slow
 def test_uniep_matches_torchtitan_within_the_band(deepseek_runs, tmp_path):
-    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["torchtitan"]), "--names", "uniep,torchtitan", "--out", str(tmp_path))
+    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["torchtitan"]), "--names", "uniep,torchtitan",
+                        "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS (close)" in result.stdout
     assert (tmp_path / "parity.png").is_file() and (tmp_path / "parity.json").is_file()

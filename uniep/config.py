@@ -105,7 +105,8 @@ class UniEPConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_value(f.name, getattr(self, f.name), hints[f.name])
-        for name in ("gemm_block_m", "gemm_block_n", "gemm_up_block_n", "gemm_block_k", "wgrad_block_m", "wgrad_block_n", "wgrad_block_k", "wgrad_up_block_n"):
+        for name in ("gemm_block_m", "gemm_block_n", "gemm_up_block_n", "gemm_block_k",
+                     "wgrad_block_m", "wgrad_block_n", "wgrad_block_k", "wgrad_up_block_n"):
             value = getattr(self, name)
             if value not in _BLOCK_SIZES:
                 raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: {_BLOCK_SIZES}")

@@ -24,8 +24,8 @@ from uniep.config import UniEPConfig
 from uniep.expert_path import ExpertPath
 from uniep.experts import FeedForward, GroupedExperts, Routing
 from uniep.plan import local_counts
-from uniep.router import TopKRouter
 from uniep.routed_op import register_path
+from uniep.router import TopKRouter
 
 # (config, EP group, experts, score_before_experts) -> the id of their expert path: one
 # path (and one compiled graph) for all the layers of a model.

@@ -113,7 +113,8 @@ def titan_and_uniep(seed, backend, *, num_experts, num_shared_experts, score_bef
 def test_bad_inputs_are_named(x, scores, message):
     w1, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 8)
     with pytest.raises(ValueError, match=message):
-        fused_experts(x, scores, torch.arange(8), torch.tensor([8, 0, 0]), w1, w2, w1, score_before_experts=False, tiles=TILES, wgrad_tiles=TILES)
+        fused_experts(x, scores, torch.arange(8), torch.tensor([8, 0, 0]), w1, w2, w1, score_before_experts=False,
+                      tiles=TILES, wgrad_tiles=TILES)
 
 
 @pytest.mark.parametrize("score_before", [False, True])
