@@ -1,22 +1,33 @@
-"""``scripts/loss_parity.py``: train two runs (or read their logs) and write the parity report.
+"""``scripts/loss_parity.py``: train the runs (or read their logs) and write the parity report.
 
-    loss_parity.py run CONFIG.toml [--baseline torchtitan|uniep] [--a-args "..."] [--b-args "..."]
-                                   [--expect close|bitwise] [--out DIR] [overrides for both runs ...]
-    loss_parity.py compare RUN_A RUN_B [--names A,B] [--expect close|bitwise] [--out DIR]
+    loss_parity.py run CONFIG.toml [--baseline torchtitan|uniep] [--noise-runs N] [--no-deterministic]
+                                   [--a-args "..."] [--b-args "..."] [--names CANDIDATE,BASELINE]
+                                   [--window W] [--k K] [--floor F] [--expect-bitwise] [--out DIR]
+                                   [overrides for every run ...]
+    loss_parity.py compare CANDIDATE BASELINE [MORE_BASELINES ...] [--names A,B,...]
+                                   [--window W] [--k K] [--floor F] [--expect-bitwise] [--out DIR]
 
-``run`` trains run A (the config as given) and run B (the baseline) one after the
-other with ``scripts/run_train.sh``, on the same seed and data, then compares them.
-``--baseline torchtitan`` (default) swaps the UniEP model for TorchTitan's own MoE
-(``uniep_qwen3`` -> ``titan_qwen3``); on a machine without GPUs it also sets its
-expert-parallel degree to 1, since TorchTitan's EP needs a Triton GPU kernel.
-``--baseline uniep`` runs the same config again (extra differences in ``--b-args``),
-e.g. ``--b-args "--parallelism.expert_parallel_degree 1"``. Exit status: 0 when parity
-holds, 1 when it does not, 2 on bad input.
+``run`` trains, one after the other with ``scripts/run_train.sh`` on the same seed and
+data: the candidate (the config as given), the baseline and ``--noise-runs`` more runs
+of the baseline (default 1) with a change that changes no math (non-deterministic
+kernels, twice the CPU threads), which measure the noise band. ``--baseline
+torchtitan`` (default) swaps the UniEP model for TorchTitan's own MoE (``uniep_qwen3`` ->
+``titan_qwen3``; on a machine without GPUs at expert-parallel degree 1, since
+TorchTitan's EP needs a Triton GPU kernel); ``--baseline uniep`` runs the config again
+(differences in ``--b-args``, e.g. ``--b-args "--uniep.transport megakernel"``). Runs
+are deterministic (``--debug.deterministic``) unless ``--no-deterministic``.
+
+``compare`` judges finished runs (folders with ``loss_log.jsonl``): the first is the
+candidate, the second the baseline, any more are extra baselines that give the band.
+
+Exit status: 0 bitwise or within noise, 1 drift, 2 bad input (named), 3 a training failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shlex
 import subprocess
 import sys
@@ -28,24 +39,25 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from recipes.models import BASELINE_OF
-from recipes.parity import Thresholds, compare_folders, fmt, write_reports
+from recipes.parity import LogError, Method, compare_folders, fmt, write_reports
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING_FAILED = 3
-"""Exit status when a training run fails (1: the verdict failed)."""
+BAD_INPUT, TRAINING_FAILED = 2, 3
+"""Exit statuses besides 0 (parity holds) and 1 (drift)."""
 
 
-def train(name: str, config: str, dump_folder: Path, args: list[str]) -> None:
+def train(name: str, config: str, dump_folder: Path, args: list[str], env: dict[str, str] | None = None) -> None:
     """Run one training, echoing its step lines; its full log goes to dump_folder/train.log."""
     dump_folder.mkdir(parents=True, exist_ok=True)
     log = dump_folder / "train.log"
     cmd = [str(ROOT / "scripts" / "run_train.sh"), config, "--job.dump_folder", str(dump_folder),
            "--metrics.disable_color_printing", "--overwrite-checkpoints", *args]
     print(f"[parity] training {name}: {shlex.join(cmd)}", flush=True)
-    with log.open("w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with log.open("w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              env={**os.environ, **(env or {})}) as proc:
         for line in proc.stdout:
             f.write(line)
-            if "step:" in line:
+            if "step:" in line or "configuration error" in line:
                 print(f"[parity] {name}: {line.split(' - ')[-1].rstrip()}", flush=True)
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
@@ -53,13 +65,32 @@ def train(name: str, config: str, dump_folder: Path, args: list[str]) -> None:
         sys.exit(TRAINING_FAILED)
 
 
-def baseline_args(config: str, baseline: str) -> list[str]:
+def _setting(config: dict, overrides: list[str], section: str, key: str, default):
+    """A job setting as the run will see it: the last command-line override, else the TOML."""
+    value = config.get(section, {}).get(key, default)
+    flags = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
+    for i, arg in enumerate(overrides):
+        flag, eq, inline = arg.partition("=")
+        if flag in flags:
+            value = inline if eq else (overrides[i + 1] if i + 1 < len(overrides) else value)
+    return value
+
+
+def label(config: dict, overrides: list[str]) -> str:
+    """What ran: model name, and for UniEP models the transport, and the EP degree."""
+    model = _setting(config, overrides, "model", "name", "?")
+    ep = _setting(config, overrides, "parallelism", "expert_parallel_degree", 1)
+    if model in BASELINE_OF:
+        return f"{model}[{_setting(config, overrides, 'uniep', 'transport', 'all_to_all')},ep{ep}]"
+    return f"{model}[ep{ep}]"
+
+
+def baseline_args(config: dict, baseline: str) -> list[str]:
     if baseline == "uniep":
         return []
-    with open(config, "rb") as f:
-        model_name = tomllib.load(f).get("model", {}).get("name")
+    model_name = config.get("model", {}).get("name")
     if model_name not in BASELINE_OF:
-        sys.exit(f"--baseline torchtitan: model.name = {model_name!r} in {config}; allowed: {', '.join(BASELINE_OF)}")
+        raise ValueError(f"--baseline torchtitan: model.name = {model_name!r}; allowed: {', '.join(BASELINE_OF)}")
     args = ["--model.name", BASELINE_OF[model_name]]
     import torch
 
@@ -68,57 +99,115 @@ def baseline_args(config: str, baseline: str) -> list[str]:
     return args
 
 
+def _folder(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def _names(given: str | None, defaults: list[str]) -> list[str]:
+    """``--names`` (comma-separated, in run order; fewer than the runs: the rest keep
+    their defaults) or the defaults; distinct."""
+    names = list(defaults)
+    if given is not None:
+        parts = [p.strip() for p in given.split(",")]
+        if len(parts) > len(defaults) or not all(parts):
+            raise ValueError(f"--names {given!r}: give up to {len(defaults)} non-empty names, comma-separated "
+                             f"(candidate, baseline{', extra baselines' if len(defaults) > 2 else ''})")
+        names[:len(parts)] = parts
+    if len(set(names)) != len(names):
+        raise ValueError(f"run names must differ; got {names} (set them with --names)")
+    return names
+
+
+def _refuse_dump_folder(*arg_lists: list[str]) -> None:
+    for args in arg_lists:
+        for arg in args:
+            if arg.partition("=")[0] in ("--job.dump_folder", "--job.dump-folder"):
+                raise ValueError("--job.dump_folder: each run gets its own folder under --out; set --out instead "
+                                 "(one folder for several runs would mix their logs and checkpoints)")
+
+
+def _run_all(args, overrides: list[str]) -> tuple[list[Path], list[str], Path]:
+    """Train the candidate, the baseline and the noise runs; their folders and names."""
+    if not Path(args.config).is_file():
+        raise ValueError(f"config {args.config!r}: no such file")
+    if args.noise_runs < 0:
+        raise ValueError(f"--noise-runs = {args.noise_runs} must be >= 0")
+    a_args, b_args = shlex.split(args.a_args), shlex.split(args.b_args)
+    _refuse_dump_folder(overrides, a_args, b_args)
+    with open(args.config, "rb") as f:
+        config = tomllib.load(f)
+    common = [*overrides] + ([] if args.no_deterministic else ["--debug.deterministic"])
+    cand = [*common, *a_args]
+    base = [*common, *baseline_args(config, args.baseline), *b_args]
+    defaults = [label(config, cand), label(config, base)]
+    if defaults[0] == defaults[1]:
+        defaults[1] += "#b"
+    defaults += [f"{defaults[1]}~noise{i + 1}" for i in range(args.noise_runs)]
+    names = _names(args.names, defaults)
+    out = Path(args.out or f"outputs/parity/{Path(args.config).stem}-vs-{args.baseline}")
+    folders = [out / _folder(n) for n in names]
+    noise = [a for a in base if a != "--debug.deterministic"]
+    threads = str(2 * int(os.environ.get("OMP_NUM_THREADS", "1")))
+    train(names[0], args.config, folders[0], cand)
+    train(names[1], args.config, folders[1], base)
+    for name, folder in zip(names[2:], folders[2:]):
+        train(name, args.config, folder, noise, env={"OMP_NUM_THREADS": threads})
+    return folders, names, out
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="loss_parity.py", description="Loss parity between two training runs.")
+    parser = argparse.ArgumentParser(prog="loss_parity.py", description="Loss parity between training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train both runs, then compare")
+    run = sub.add_parser("run", help="train the candidate, the baseline and the noise runs, then compare")
     run.add_argument("config")
     run.add_argument("--baseline", choices=("torchtitan", "uniep"), default="torchtitan")
-    run.add_argument("--a-args", default="", help="extra overrides for run A (quoted)")
-    run.add_argument("--b-args", default="", help="extra overrides for run B (quoted)")
-    cmp_ = sub.add_parser("compare", help="compare two finished runs (their dump folders)")
-    cmp_.add_argument("run_a")
-    cmp_.add_argument("run_b")
-    cmp_.add_argument("--names", default="a,b", help="labels of the two runs, comma-separated")
+    run.add_argument("--noise-runs", type=int, default=1, help="extra baseline runs that measure the noise band")
+    run.add_argument("--no-deterministic", action="store_true", help="TorchTitan's default (fast) kernels")
+    run.add_argument("--a-args", default="", help="extra overrides for the candidate (quoted)")
+    run.add_argument("--b-args", default="", help="extra overrides for the baseline and noise runs (quoted)")
+    cmp_ = sub.add_parser("compare", help="judge finished runs (their dump folders)")
+    cmp_.add_argument("runs", nargs="+", metavar="RUN", help="candidate, baseline, extra baselines")
     for p in (run, cmp_):
-        p.add_argument("--expect", choices=("close", "bitwise"), default=None,
-                       help="verdict kind (default: close, or bitwise for --baseline uniep without --b-args)")
+        p.add_argument("--names", default=None, help="labels of the runs in order, comma-separated")
+        p.add_argument("--window", type=int, default=None, help="steps per window (default: a tenth, at least 5)")
+        p.add_argument("--k", type=float, default=Method.k, help="tolerance = k x the noise band ...")
+        p.add_argument("--floor", type=float, default=Method.floor, help="... or this fraction of the mean loss")
+        p.add_argument("--expect-bitwise", action="store_true", help="anything short of bitwise is drift")
         p.add_argument("--out", default=None, help="report folder (default: next to the runs)")
-        p.add_argument("--loss-rtol", type=float, default=Thresholds.loss_rtol)
-        p.add_argument("--grad-norm-rtol", type=float, default=Thresholds.grad_norm_rtol)
         p.add_argument("--no-wandb", action="store_true", help="skip the wandb run group")
     args, overrides = parser.parse_known_args(argv)
 
-    if args.command == "run":
-        if not Path(args.config).is_file():
-            parser.error(f"config {args.config!r}: no such file")
-        out = Path(args.out or f"outputs/parity/{Path(args.config).stem}-vs-{args.baseline}")
-        name_a, name_b = "uniep", args.baseline if args.baseline == "torchtitan" else "uniep_b"
-        expect = args.expect or ("bitwise" if args.baseline == "uniep" and not args.b_args else "close")
-        folder_a, folder_b = out / name_a, out / name_b
-        train(name_a, args.config, folder_a, [*overrides, *shlex.split(args.a_args)])
-        train(name_b, args.config, folder_b, [*overrides, *baseline_args(args.config, args.baseline), *shlex.split(args.b_args)])
-    else:
-        if overrides:
-            parser.error(f"unknown arguments {overrides}")
-        folder_a, folder_b = Path(args.run_a), Path(args.run_b)
-        name_a, name_b = args.names.split(",", 1)
-        out = Path(args.out or folder_a.parent / "parity")
-        expect = args.expect or "close"
-
-    report = compare_folders(
-        folder_a, folder_b, expect=expect, name_a=name_a, name_b=name_b,
-        thresholds=Thresholds(args.loss_rtol, args.grad_norm_rtol),
-    )
+    try:
+        if args.window is not None and args.window < 1:
+            raise ValueError(f"--window = {args.window} must be >= 1")
+        if args.command == "run":
+            folders, names, out = _run_all(args, overrides)
+        else:
+            if overrides:
+                raise ValueError(f"unknown arguments {overrides}")
+            if len(args.runs) < 2:
+                raise ValueError("compare needs a candidate and a baseline run folder")
+            folders = [Path(r) for r in args.runs]
+            names = _names(args.names, [_folder(f.name) or f"run{i}" for i, f in enumerate(folders)])
+            out = Path(args.out or folders[0].parent / "parity")
+        method = Method(args.window, args.k, args.floor, args.expect_bitwise)
+        report = compare_folders(folders, names, method)
+    except (ValueError, LogError) as e:
+        print(f"[parity] error: {e}", file=sys.stderr)
+        sys.exit(BAD_INPUT)
     paths = write_reports(report, out, wandb=not args.no_wandb)
-    print(f"[parity] {'PASS' if report.passed else 'FAIL'} ({expect}): {report.reason}")
-    print(f"[parity] loss: max abs diff {report.diffs['loss'].max_abs:.3e}, max rel diff {report.diffs['loss'].max_rel:.3e}; "
-          f"bitwise-equal steps {report.bitwise_equal_steps}/{len(report.steps)}")
+    print(f"[parity] verdict: {report.verdict}: {report.reason}")
+    print(f"[parity] compared {report.note}; window {report.window} steps; bitwise-equal steps "
+          f"{report.bitwise_equal_steps}/{len(report.steps)}")
+    for k in report.statistics:
+        band = fmt(report.band[k] if report.band else None, ".3e")
+        print(f"[parity]   {k:11s} |mean loss diff| {report.statistics[k]:.3e}  band {band}  "
+              f"tolerance {report.tolerance[k]:.3e}")
     for name, t in report.throughput.items():
         print(f"[parity] {name}: {t['tps']:.0f} tokens/s per device, MFU {fmt(t['mfu'], '.2f')}%, "
               f"peak reserved {fmt(t['max_reserved_gib'], '.2f')} GiB (median of {t['steps']} steps)")
     if report.throughput_ratio is not None:
-        print(f"[parity] throughput {report.name_a} / {report.name_b}: {report.throughput_ratio:.3f}x")
+        print(f"[parity] throughput {report.candidate} / {report.baseline}: {report.throughput_ratio:.3f}x")
     for kind, path in paths.items():
         print(f"[parity] {kind}: {path}")
     sys.exit(0 if report.passed else 1)

@@ -41,17 +41,24 @@ def deepseek_runs(tmp_path_factory):
       steps, like an interrupted job), then resumed with --resume;
     - torchtitan: TorchTitan's own MoE (EP = 1: its EP needs a GPU kernel);
     - perturbed_lr: UniEP with twice the learning rate (a planted difference), and
-      ``[uniep] config = "auto"`` (on CPU it resolves the schedule without using it).
+      ``[uniep] config = "auto"`` (on CPU it resolves the schedule without using it);
+    - torchtitan_noise: the TorchTitan run again on twice the CPU threads (a change of
+      no math: the parity tool's noise run);
+    - wrong_scores: UniEP with every router score scaled by 0.98 (``tests.wrong_variant``).
     """
     from tests.training import run_train
 
     root = tmp_path_factory.mktemp("deepseek_runs")
     config = "deepseek_v3_debug.toml"
     checkpointing = ["--checkpoint.enable", "--checkpoint.interval", "10"]
-    runs = {name: root / name for name in ("uniep", "resumed", "torchtitan", "perturbed_lr")}
+    runs = {name: root / name for name in ("uniep", "resumed", "torchtitan", "perturbed_lr", "torchtitan_noise",
+                                           "wrong_scores")}
     run_train(config, runs["uniep"], *checkpointing)
     run_train(config, runs["resumed"], *checkpointing, "--training.steps", "10", "--lr_scheduler.total_steps", "20")
     run_train(config, runs["resumed"], *checkpointing, "--resume")
-    run_train(config, runs["torchtitan"], "--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
+    titan = ("--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
+    run_train(config, runs["torchtitan"], *titan)
     run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3", "--uniep.config", "auto")
+    run_train(config, runs["torchtitan_noise"], *titan, threads=2)
+    run_train(config, runs["wrong_scores"], "--experimental.custom_import", "tests.wrong_variant")
     return runs
