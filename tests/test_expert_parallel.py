@@ -108,6 +108,7 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
             assert type(transport).__name__ == ("HierarchicalTransport" if hierarchical else "MegakernelTransport")
             transport.peers.raise_pending_errors()
         torch.save({"out": out, "x_grad": gx, "w_grads": w_grads}, f"{result_path}.{rank}")
+        dist.barrier()  # leave together: a rank tearing gloo down alone was seen to abort its peer
     finally:
         dist.destroy_process_group()
 

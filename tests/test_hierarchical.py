@@ -48,6 +48,7 @@ def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_pat
     transport.peers.raise_pending_errors()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     torch.save(first, f"{result_path}.{rank}")
+    dist.barrier()  # leave together: a rank tearing gloo down alone was seen to abort its peer
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 (``srun`` replaced by a stub that runs its command once), trains the debug config on
 CPU, and a resubmission resumes from its last checkpoint."""
 
+import json
 import os
 import socket
 import stat
@@ -57,4 +58,6 @@ def test_sbatch_trains_and_resumes_on_resubmission(tmp_path):
     log = read_loss_log(tmp_path / "run")
     assert sorted(log) == [1, 2, 3, 4, 5, 6]
     lines = (tmp_path / "run" / "loss_log.jsonl").read_text().splitlines()
-    assert len(lines) == 6  # steps 1-4 were not trained again: the job resumed at step 5
+    steps = [json.loads(line)["step"] for line in lines if '"step"' in line]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 1-4 were not trained again: the job resumed at step 5
+    assert '{"resume_from_step": 4}' in lines
