@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install UniEP and its dependencies. Safe to run again.
 #
+#   scripts/setup.sh        # what training needs (the quickstart)
+#   scripts/setup.sh dev    # and the test and lint tools (pytest, triton, ruff; scripts/test.sh)
+#
 # Where: an existing .venv; else the active Python environment (a virtual environment,
 # conda, or the system) when it already has torch 2.11-2.14, as on GPU clusters, so a
 # GPU machine never gets a second torch; else a new .venv (with torch 2.13.0 for the
@@ -38,5 +41,5 @@ else
     "$py" -m pip install -q torch==2.13.0
   fi
 fi
-"$py" -m pip install -q -e ".[dev]"
+"$py" -m pip install -q -e ".${1:+[$1]}"
 "$py" -c "import torch, torchtitan, uniep; print(f'setup: torch {torch.__version__}, torchtitan {torchtitan.__version__}, CUDA {torch.cuda.is_available()}')"
