@@ -4,7 +4,7 @@
 # compiled UniEP-vs-TorchTitan run, a short megakernel run and a benchmark smoke test,
 # then prints one PASS/FAIL line per item (the numbers behind it in its log).
 #
-#   scripts/gpu_check.sh            # about 8 minutes on 2 H200s
+#   scripts/gpu_check.sh            # about 9 minutes on 2 H200s
 #   GPU_CHECK_LOGS=DIR scripts/gpu_check.sh
 #   GPU_CHECK_ONLY="compiled_8l megakernel" scripts/gpu_check.sh   # these items only
 #
