@@ -114,8 +114,6 @@ class UniEPMoE(nn.Module):
         self._update_path()
 
     def _update_path(self) -> None:
-        if "experts" not in self._modules or not hasattr(self, "score_before_experts"):
-            return  # still in __init__
         key = (self._config, self._ep_group, self.num_experts, self.score_before_experts)
         if key not in _PATH_IDS:
             _PATH_IDS[key] = register_path(ExpertPath(*key))
