@@ -139,3 +139,20 @@ def test_routing_is_not_cast_by_fsdp_mixed_precision():
     assert cast[0].scores_TK.dtype == torch.float32
     # the control: the same tensors in a tuple are cast
     assert _apply_to_tensors(lambda t: t.to(torch.bfloat16), (routing.scores_TK,))[0].dtype == torch.bfloat16
+
+
+def test_routed_call_keeps_no_graph_without_grad_and_frees_it_after_backward():
+    from uniep.routed_op import pending_calls
+
+    layer = UniEPMoE(16, 8, 4, 2)
+    layer.init_weights(0.02)
+    x = torch.randn(1, 6, 16)
+    with torch.no_grad():
+        reference = layer(x)
+    assert pending_calls() == 0
+    out = layer(x)
+    assert pending_calls() == 1 and torch.equal(out.detach(), reference)  # same bits either way
+    out.sum().backward()
+    assert pending_calls() == 0
+    layer(x)  # a forward whose result is dropped (as under activation checkpointing)
+    assert pending_calls() == 0
