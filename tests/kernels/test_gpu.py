@@ -205,3 +205,78 @@ def test_megakernel_symmetric_memory(world, per_node):
             p.join(timeout=60)
     for rank, same in outcome.items():
         assert "error" not in same and all(same.values()), (rank, same)
+
+
+def _silent_peer_worker(rank, world, init_file, results):
+    try:
+        results.put((rank, _silent_peer_run(rank, world, init_file)))
+    except Exception as e:  # the parent must hear of it, or it waits for nothing
+        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def _silent_peer_run(rank, world, init_file):
+    """Rank 1 allocates its symmetric buffers (a collective) and never launches; rank 0
+    launches the forward megakernels and must get the wait error, not hang."""
+    import time
+
+    import torch.distributed as dist
+
+    from uniep.kernels.flags import MegakernelWaitError
+    from uniep.kernels.grouped_gemm import GemmTiles
+    from uniep.plan import local_counts
+    from uniep.transport.megakernel import PeerBuffers, Schedule, megakernel_experts
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    T, K, E, D, H = 512, 4, 16, 256, 128
+    El = E // world
+    gen = torch.Generator().manual_seed(0)
+    topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(world * T)]).cuda()
+    table = torch.stack([local_counts(t, E) for t in topk.split(T)])
+    peers = PeerBuffers.symmetric(dist.group.WORLD)
+    outcome = {"rank": rank}
+    if rank == 1:
+        peers.prepare(T, K, table.view(world, world, El).sum((0, 2)).tolist(), D, torch.bfloat16, torch.device("cuda"))
+    else:
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        w1, w3 = (torch.randn(El, H, D, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2))
+        w2 = torch.randn(El, D, H, device="cuda", dtype=torch.bfloat16) * 0.05
+        tiles = GemmTiles()
+        schedule = Schedule(tiles, tiles, tiles, tiles, 16, 16, 1 << 16, True)
+        start = time.monotonic()
+        megakernel_experts(x, torch.rand(T, K, device="cuda"), topk[:T], [T], table, w1, w2, w3, peers, schedule,
+                           score_before_experts=False)
+        torch.cuda.synchronize()
+        outcome["seconds"] = time.monotonic() - start
+        try:
+            peers.raise_pending_errors()
+        except MegakernelWaitError as e:
+            outcome["wait_error"] = str(e)
+    dist.barrier()
+    dist.destroy_process_group()
+    return outcome
+
+
+def test_megakernel_peer_that_never_launches_gives_an_error_not_a_hang():
+    """Two GPUs: a peer that sets up its buffers but never launches makes the waiting
+    rank's kernel give up after max_spins polls and the layer raise MegakernelWaitError;
+    both processes then leave cleanly."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_silent_peer_worker, args=(r, 2, f"{tmp}/init", results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        outcome = dict(results.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0], outcome
+    assert "error" not in outcome[0] and "error" not in outcome[1], outcome
+    assert "timed out" in outcome[0].get("wait_error", ""), outcome
+    assert outcome[0]["seconds"] < 60, outcome
