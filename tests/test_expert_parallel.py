@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.test_megakernel import map_peers
+from tests.helpers import map_peers
 from uniep import UniEPConfig, UniEPMoE
 
 DIM, HIDDEN, E = 24, 40, 8

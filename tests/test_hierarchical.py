@@ -8,14 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_megakernel import (
-    assert_parts_match_one_rank,
-    make_inputs,
-    map_peers,
-    run_grads,
-    schedule,
-    spawn_ranks,
-)
+from tests.helpers import assert_parts_match_one_rank, make_inputs, map_peers, run_grads, schedule, spawn_ranks
 from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_megakernel_experts
 
 T, E = 6, 8

@@ -8,7 +8,18 @@ import copy
 import pytest
 import torch
 
-from tests.test_plan import brute_force_rows, routing
+from tests.helpers import (
+    TILES,
+    FakeGroup,
+    assert_parts_match_one_rank,
+    brute_force_rows,
+    make_inputs,
+    map_peers,
+    routing,
+    run_grads,
+    schedule,
+    spawn_ranks,
+)
 from uniep import UniEPConfig, UniEPConfigError, UniEPMoE
 from uniep.kernels.dispatch_gemm import dispatch_gemm
 from uniep.kernels.flags import MegakernelWaitError
@@ -23,12 +34,6 @@ from uniep.transport.megakernel import (
     megakernel_experts,
     owner_rows,
 )
-
-TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
-
-
-def schedule(**knobs):
-    return Schedule(TILES, TILES, TILES, TILES, **{"sends_per_task": 4, "tokens_per_task": 4, "max_spins": 1000, **knobs})
 
 
 @pytest.mark.parametrize("kind, W, T, K, E", [("random", 2, 9, 3, 8), ("random", 4, 6, 4, 8), ("one_rank", 4, 5, 2, 8)])
@@ -56,25 +61,6 @@ def test_sends_against_brute_force(kind, W, T, K, E):
     lowest = [min(int(topk[int(sends.src[i])][int(sends.token[i]), k]) % (E // W)
                   for k in range(K) if int(sends.pairs[i][k]) >= 0) for i in range(n)]
     assert lowest == sorted(lowest)
-
-
-def make_inputs(W, T, K, E, D, H, kind, gen, dtype):
-    if kind == "one_rank":  # every token on virtual rank 0's experts
-        topk = torch.cat(routing("one_rank", W, T, K, E, gen))
-    else:
-        topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(W * T)])
-    x = torch.randn(W * T, D, generator=gen).to(dtype)
-    scores = torch.rand(W * T, K, generator=gen)
-    w1, w3 = (torch.randn(E, H, D, generator=gen).to(dtype) * 0.2 for _ in range(2))
-    w2 = torch.randn(E, D, H, generator=gen).to(dtype) * 0.2
-    return topk, [x, scores, w1, w2, w3], torch.randn(W * T, D, generator=gen).to(dtype)
-
-
-def run_grads(fn, leaves, grad):
-    leaves = [t.clone().requires_grad_(True) for t in leaves]
-    out = fn(*leaves)
-    out.backward(grad)
-    return [out.detach()] + [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize(
@@ -238,43 +224,6 @@ def test_megakernel_config_errors(monkeypatch):
         layer(torch.randn(1, 4, 16))
 
 
-class _FakeGroup:
-    group_name = "uniep-test"
-
-
-def map_peers(index, buffers, barrier):
-    """Symmetric memory stand-in: the processes' shared-memory ``buffers`` (one per rank
-    of the group, this process's at ``index``), each mapped at its own address in every
-    process, as symmetric memory maps peer GPUs' buffers."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    class Handle:
-        buffer_ptrs = [b.data_ptr() for b in buffers]
-
-        def barrier(self):
-            barrier.wait()
-
-    symm_mem.enable_symm_mem_for_group = lambda group_name: None
-    symm_mem.empty = lambda total, dtype, device: buffers[index][:total]
-    symm_mem.rendezvous = lambda buffer, group_name: Handle()
-
-
-def spawn_ranks(worker, world, *args, timeout=300):
-    """Run ``worker(rank, world, shared, barrier, *args)`` in ``world`` processes:
-    ``shared`` holds one shared-memory buffer per rank, ``barrier`` is for all of them."""
-    import torch.multiprocessing as mp
-
-    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(world)
-    procs = [ctx.Process(target=worker, args=(r, world, shared, barrier, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    assert [p.exitcode for p in procs] == [0] * world
-
-
 def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
     """One rank of a real (non-virtual) launch; with kind "silent", rank 1 sets up its
     buffers and never launches, and rank 0 saves the error it gets."""
@@ -286,7 +235,7 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, k
     mine, El = slice(rank * T, (rank + 1) * T), E // W
     x, scores = leaves[0][mine], leaves[1][mine]
     weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
-    peers = PeerBuffers(W, rank, 1, _FakeGroup())
+    peers = PeerBuffers(W, rank, 1, FakeGroup())
     silent = kind == "silent"
     if silent and rank == 1:
         peers.prepare(T, K, table.view(W, W, El).sum((0, 2)).tolist(), x.shape[1], x.dtype, x.device)
@@ -327,21 +276,3 @@ def test_real_ranks_in_processes_match_one_rank(W, kind, score_before, tmp_path)
     assert_parts_match_one_rank([torch.load(tmp_path / f"r.{r}") for r in range(W)], W, T, K, E, kind, score_before)
 
 
-def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
-    """Each rank's (out, grad x, grad scores, grad w1, w2, w3) of its share of the batch
-    made by ``make_inputs`` (ranks in order) against the one-rank fused path, bitwise."""
-    gen = torch.Generator().manual_seed(seed)
-    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
-    order = torch.argsort(topk.reshape(-1), stable=True)
-
-    def one_rank(x, s, w1, w2, w3):
-        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
-                             tiles=TILES, wgrad_tiles=TILES)
-
-    reference = run_grads(one_rank, leaves, grad)
-    El = E // W
-    for i, name in enumerate(["out", "x", "scores"]):
-        assert torch.equal(torch.cat([p[i] for p in parts]), reference[i]), name
-    for i, name in enumerate(["w1", "w2", "w3"], start=3):
-        for r in range(W):
-            assert torch.equal(parts[r][i], reference[i][r * El:(r + 1) * El]), (name, r)

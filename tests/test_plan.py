@@ -3,35 +3,8 @@
 import pytest
 import torch
 
+from tests.helpers import brute_force_rows, routing
 from uniep.plan import build_plan, local_counts
-
-
-def brute_force_rows(topk_per_rank, num_experts):
-    """{(src, t, k): (owner, row)} by listing every rank's rows in (expert, src, t, k) order."""
-    W = len(topk_per_rank)
-    per_rank = num_experts // W
-    places, next_row = {}, [0] * W
-    for e in range(num_experts):
-        owner = e // per_rank
-        for src, idx in enumerate(topk_per_rank):
-            T, K = idx.shape
-            for t in range(T):
-                for k in range(K):
-                    if idx[t, k] == e:
-                        places[(src, t, k)] = (owner, next_row[owner])
-                        next_row[owner] += 1
-    return places
-
-
-def routing(kind, W, T, K, E, gen):
-    if kind == "random":
-        return [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
-    if kind == "one_expert":  # every pair of every rank on expert E-1 (K = 1)
-        return [torch.full((T, K), E - 1) for _ in range(W)]
-    if kind == "one_rank":  # all pairs on rank 0's experts; other experts empty
-        per_rank = E // W
-        return [torch.stack([torch.randperm(per_rank, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
-    raise ValueError(kind)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,122 @@
+"""Helpers shared by the expert-parallel tests (plan, megakernel, hierarchical, layer):
+routings, brute-force rows, megakernel inputs and schedules, and the launcher of
+processes that stand in for GPUs, with shared-memory buffers standing in for each node's
+symmetric memory."""
+
+import torch
+
+from uniep.kernels.fused_experts import fused_experts
+from uniep.kernels.grouped_gemm import GemmTiles
+from uniep.plan import local_counts
+from uniep.transport.megakernel import Schedule
+
+
+def routing(kind, W, T, K, E, gen):
+    if kind == "random":
+        return [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
+    if kind == "one_expert":  # every pair of every rank on expert E-1 (K = 1)
+        return [torch.full((T, K), E - 1) for _ in range(W)]
+    if kind == "one_rank":  # all pairs on rank 0's experts; other experts empty
+        per_rank = E // W
+        return [torch.stack([torch.randperm(per_rank, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
+    raise ValueError(kind)
+
+
+def brute_force_rows(topk_per_rank, num_experts):
+    """{(src, t, k): (owner, row)} by listing every rank's rows in (expert, src, t, k) order."""
+    W = len(topk_per_rank)
+    per_rank = num_experts // W
+    places, next_row = {}, [0] * W
+    for e in range(num_experts):
+        owner = e // per_rank
+        for src, idx in enumerate(topk_per_rank):
+            T, K = idx.shape
+            for t in range(T):
+                for k in range(K):
+                    if idx[t, k] == e:
+                        places[(src, t, k)] = (owner, next_row[owner])
+                        next_row[owner] += 1
+    return places
+
+
+TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
+
+
+def schedule(**knobs):
+    return Schedule(TILES, TILES, TILES, TILES, **{"sends_per_task": 4, "tokens_per_task": 4, "max_spins": 1000, **knobs})
+
+
+def make_inputs(W, T, K, E, D, H, kind, gen, dtype):
+    if kind == "one_rank":  # every token on virtual rank 0's experts
+        topk = torch.cat(routing("one_rank", W, T, K, E, gen))
+    else:
+        topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(W * T)])
+    x = torch.randn(W * T, D, generator=gen).to(dtype)
+    scores = torch.rand(W * T, K, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen).to(dtype) * 0.2 for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen).to(dtype) * 0.2
+    return topk, [x, scores, w1, w2, w3], torch.randn(W * T, D, generator=gen).to(dtype)
+
+
+def run_grads(fn, leaves, grad):
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
+    """Each rank's (out, grad x, grad scores, grad w1, w2, w3) of its share of the batch
+    made by ``make_inputs`` (ranks in order) against the one-rank fused path, bitwise."""
+    gen = torch.Generator().manual_seed(seed)
+    topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
+    order = torch.argsort(topk.reshape(-1), stable=True)
+
+    def one_rank(x, s, w1, w2, w3):
+        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
+                             tiles=TILES, wgrad_tiles=TILES)
+
+    reference = run_grads(one_rank, leaves, grad)
+    El = E // W
+    for i, name in enumerate(["out", "x", "scores"]):
+        assert torch.equal(torch.cat([p[i] for p in parts]), reference[i]), name
+    for i, name in enumerate(["w1", "w2", "w3"], start=3):
+        for r in range(W):
+            assert torch.equal(parts[r][i], reference[i][r * El:(r + 1) * El]), (name, r)
+
+
+class FakeGroup:
+    group_name = "uniep-test"
+
+
+def map_peers(index, buffers, barrier):
+    """Symmetric memory stand-in: the processes' shared-memory ``buffers`` (one per rank
+    of the group, this process's at ``index``), each mapped at its own address in every
+    process, as symmetric memory maps peer GPUs' buffers."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    class Handle:
+        buffer_ptrs = [b.data_ptr() for b in buffers]
+
+        def barrier(self):
+            barrier.wait()
+
+    symm_mem.enable_symm_mem_for_group = lambda group_name: None
+    symm_mem.empty = lambda total, dtype, device: buffers[index][:total]
+    symm_mem.rendezvous = lambda buffer, group_name: Handle()
+
+
+def spawn_ranks(worker, world, *args, timeout=300):
+    """Run ``worker(rank, world, shared, barrier, *args)`` in ``world`` processes:
+    ``shared`` holds one shared-memory buffer per rank, ``barrier`` is for all of them."""
+    import torch.multiprocessing as mp
+
+    shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    procs = [ctx.Process(target=worker, args=(r, world, shared, barrier, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    assert [p.exitcode for p in procs] == [0] * world
