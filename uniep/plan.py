@@ -62,7 +62,8 @@ def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts)
 
 
-def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+def exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sums of the elements before each one along ``dim`` (0 for the first)."""
     return torch.cumsum(x, dim=dim) - x
 
 
@@ -94,10 +95,10 @@ def build_plan(
 
     counts_E = count_table_WE[ep_rank]
     # base(e): rows of the owner's lower local experts, summed over all sources.
-    base_E = _exclusive_cumsum(count_table_WE.sum(0).view(W, El), dim=1).reshape(-1)
-    src_prefix_WE = _exclusive_cumsum(count_table_WE, dim=0)
+    base_E = exclusive_cumsum(count_table_WE.sum(0).view(W, El), dim=1).reshape(-1)
+    src_prefix_WE = exclusive_cumsum(count_table_WE, dim=0)
     sorted_experts = flat_P[send_order]
-    rank_in_segment = torch.arange(flat_P.numel(), device=device) - _exclusive_cumsum(counts_E, 0)[
+    rank_in_segment = torch.arange(flat_P.numel(), device=device) - exclusive_cumsum(counts_E, 0)[
         sorted_experts
     ]
     dest_rows = base_E[sorted_experts] + src_prefix_WE[ep_rank][sorted_experts] + rank_in_segment
@@ -105,7 +106,7 @@ def build_plan(
     mine = slice(ep_rank * El, (ep_rank + 1) * El)
     seg_counts = count_table_WE[:, mine].reshape(-1)  # source-major, then local expert
     seg_dest_start = (base_E[mine].unsqueeze(0) + src_prefix_WE[:, mine]).reshape(-1)
-    seg_arrival_start = _exclusive_cumsum(seg_counts, 0)
+    seg_arrival_start = exclusive_cumsum(seg_counts, 0)
     R = int(seg_counts.sum())
     arrival_to_row = torch.repeat_interleave(
         seg_dest_start - seg_arrival_start, seg_counts, output_size=R

@@ -66,3 +66,12 @@ def test_tiles_too_tall_for_any_fit_name_the_fix(monkeypatch):
     monkeypatch.setattr(gg, "smem_limit", lambda device: 1024)
     with pytest.raises(ValueError, match="lower block_m"):
         GemmTiles(256, 128, 64, 8, 4).fitted(torch.float32, CPU)
+
+
+def test_gate_up_tiles_must_share_the_row_tiles():
+    from uniep.transport.megakernel import Schedule
+
+    tiles, up = GemmTiles(128, 128, 64), GemmTiles(64, 128, 64)
+    with pytest.raises(ValueError, match="megakernel: the gate/up tiles' block_m = 64 must equal the GEMM tiles' block_m = 128"):
+        Schedule(tiles, up, tiles, tiles)
+    Schedule(tiles, GemmTiles(128, 64, 32), tiles, tiles)  # another width is fine

@@ -26,6 +26,7 @@ from uniep.kernels.grouped_gemm import (
     SWIGLU_BWD,
     SWIGLU_FWD,
     GemmTiles,
+    check_row_tiles,
     grouped_gemm,
     tile_offsets,
 )
@@ -58,8 +59,7 @@ def expert_rows_forward(
     """(y (R, D), state). ``rows_per_expert_E`` (E,) int64 on the device; ``tiles`` =
     (gemm, up, wgrad, wgrad_up) as in ``fused_experts``."""
     gemm, up, _, _ = tiles
-    if up.block_m != gemm.block_m:
-        raise ValueError("expert rows: up tiles' block_m must equal the GEMM tiles' (shared row tiles)")
+    check_row_tiles(gemm, up, "expert rows")
     R = rows_RD.shape[0]
     dtypes = (w1_EHD.dtype, w2_EDH.dtype, w3_EHD.dtype)
     w1, w2, w3 = (w.to(rows_RD.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))

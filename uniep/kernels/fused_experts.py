@@ -33,6 +33,7 @@ from uniep.kernels.grouped_gemm import (
     SWIGLU_BWD,
     SWIGLU_FWD,
     GemmTiles,
+    check_row_tiles,
     grouped_gemm,
     tile_offsets,
 )
@@ -193,11 +194,8 @@ def fused_experts(
     must equal ``tiles.block_m``.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
-    if up_tiles is not None and up_tiles.block_m != tiles.block_m:
-        raise ValueError(
-            f"fused_experts: up_tiles.block_m = {up_tiles.block_m} must equal tiles.block_m = "
-            f"{tiles.block_m} (both launches share the row-tile schedule)"
-        )
+    if up_tiles is not None:
+        check_row_tiles(tiles, up_tiles, "fused_experts")
     packed = _pack_tiles(tiles, up_tiles or tiles, wgrad_tiles, wgrad_up_tiles or wgrad_tiles)
     return _fused_experts_fwd(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,

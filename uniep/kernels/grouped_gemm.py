@@ -257,6 +257,16 @@ def _grouped_gemm_kernel(
                     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
 
 
+def check_row_tiles(tiles: GemmTiles, up_tiles: GemmTiles, where: str) -> None:
+    """The gate/up launch (two accumulators) and the other launches walk one row-tile
+    schedule (``tile_offsets`` by ``block_m``), so their ``block_m`` must agree."""
+    if up_tiles.block_m != tiles.block_m:
+        raise ValueError(
+            f"{where}: the gate/up tiles' block_m = {up_tiles.block_m} must equal the GEMM tiles' block_m = "
+            f"{tiles.block_m} (both launches share the row tiles)"
+        )
+
+
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:
     if tiles.num_programs is not None:
         return max(1, min(tiles.num_programs, upper_tiles))

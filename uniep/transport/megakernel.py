@@ -40,10 +40,11 @@ from uniep.kernels.grouped_gemm import (
     SWIGLU_BWD,
     SWIGLU_FWD,
     GemmTiles,
+    check_row_tiles,
     tile_offsets,
 )
 from uniep.kernels.wgrad import grouped_wgrad
-from uniep.plan import device_ints
+from uniep.plan import device_ints, exclusive_cumsum
 
 if TYPE_CHECKING:
     from uniep.transport.hierarchical import RelayLegs
@@ -64,8 +65,7 @@ class Schedule:
     relay_dedup: bool = True
 
     def __post_init__(self):
-        if self.up.block_m != self.gemm.block_m:
-            raise ValueError("megakernel: up.block_m must equal gemm.block_m (both GEMMs share the row tiles)")
+        check_row_tiles(self.gemm, self.up, "megakernel")
 
 
 # Buffer regions of one rank: name -> (rows-kind, dtype or None for the activation dtype).
@@ -264,10 +264,6 @@ class Sends:
         return (sender + self.rank0).to(torch.int32), first_token.to(torch.int32)
 
 
-def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    return torch.cumsum(x, dim) - x
-
-
 def build_sends(
     topk_TK: torch.Tensor,
     scores_TK: torch.Tensor,
@@ -302,8 +298,8 @@ def algorithm1_rows(topk_TK: torch.Tensor, count_table_WE: torch.Tensor, rank0: 
     order = torch.argsort(flat, stable=True)
     launch_counts_E = torch.bincount(flat, minlength=E)
     place_in_expert = torch.empty_like(order)
-    place_in_expert[order] = torch.arange(flat.numel(), device=device) - _exclusive_cumsum(launch_counts_E)[flat[order]]
-    base_E = _exclusive_cumsum(table.sum(0).view(W, El), 1).reshape(-1)
+    place_in_expert[order] = torch.arange(flat.numel(), device=device) - exclusive_cumsum(launch_counts_E)[flat[order]]
+    base_E = exclusive_cumsum(table.sum(0).view(W, El), 1).reshape(-1)
     lower_senders_E = table[:rank0].sum(0)
     return (base_E[flat] + lower_senders_E[flat] + place_in_expert).view(T, K)
 
@@ -330,7 +326,7 @@ def sends_to_owners(
     W, El = world, experts_per_rank
     device = owner_TK.device
     counts = device_ints(tokens_per_sender, device)
-    token_base = _exclusive_cumsum(counts)
+    token_base = exclusive_cumsum(counts)
     sender_T = torch.repeat_interleave(torch.arange(len(tokens_per_sender), device=device), counts, output_size=T)
     token_T = torch.arange(T, device=device) - token_base[sender_T]
 
