@@ -96,7 +96,7 @@ class GemmTiles:
         stay path-independent. bf16 with the default tiles fits as given on an H200.
         """
         limit = smem_limit(torch.device(device))
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         tiles = self
 
         def fits(t: GemmTiles) -> bool:

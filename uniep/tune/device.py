@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from uniep.kernels.grouped_gemm import smem_limit
 from uniep.tune.cache import cache_dir
 
 
@@ -47,10 +48,10 @@ def measure(device: torch.device) -> DeviceSpec:
         n, dtype, repeats = 8192, torch.bfloat16, 10
         props = torch.cuda.get_device_properties(device)
         name, sms = props.name, props.multi_processor_count
-        smem = getattr(props, "shared_memory_per_block_optin", 232448)
     else:
         n, dtype, repeats = 512, torch.float32, 5
-        name, sms, smem = "cpu", torch.get_num_threads(), 232448
+        name, sms = "cpu", torch.get_num_threads()
+    smem = smem_limit(device)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     flops = 2 * n**3 / _time(lambda: a @ b, repeats)
