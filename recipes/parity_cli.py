@@ -40,6 +40,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from recipes.models import BASELINE_OF
 from recipes.parity import LogError, Method, compare_folders, fmt, write_reports
+from recipes.preflight import job_setting
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD_INPUT, TRAINING_FAILED = 2, 3
@@ -65,23 +66,12 @@ def train(name: str, config: str, dump_folder: Path, args: list[str], env: dict[
         sys.exit(TRAINING_FAILED)
 
 
-def _setting(config: dict, overrides: list[str], section: str, key: str, default):
-    """A job setting as the run will see it: the last command-line override, else the TOML."""
-    value = config.get(section, {}).get(key, default)
-    flags = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
-    for i, arg in enumerate(overrides):
-        flag, eq, inline = arg.partition("=")
-        if flag in flags:
-            value = inline if eq else (overrides[i + 1] if i + 1 < len(overrides) else value)
-    return value
-
-
 def label(config: dict, overrides: list[str]) -> str:
     """What ran: model name, and for UniEP models the transport, and the EP degree."""
-    model = _setting(config, overrides, "model", "name", "?")
-    ep = _setting(config, overrides, "parallelism", "expert_parallel_degree", 1)
+    model = job_setting(config, overrides, "model", "name", "?")
+    ep = job_setting(config, overrides, "parallelism", "expert_parallel_degree", 1)
     if model in BASELINE_OF:
-        return f"{model}[{_setting(config, overrides, 'uniep', 'transport', 'all_to_all')},ep{ep}]"
+        return f"{model}[{job_setting(config, overrides, 'uniep', 'transport', 'all_to_all')},ep{ep}]"
     return f"{model}[ep{ep}]"
 
 

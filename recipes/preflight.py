@@ -22,12 +22,20 @@ class PreflightError(ValueError):
     pass
 
 
-def config_file_from_args(args: list[str]) -> str | None:
+def job_setting(toml: dict, args: list[str], section: str, key: str, default=None):
+    """A job setting as TorchTitan will see it: the last ``--section.key value`` (or
+    ``=value``, ``-`` for ``_``) on the command line, else the TOML's, else ``default``."""
+    value = toml.get(section, {}).get(key, default)
+    flags = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
     for i, arg in enumerate(args):
-        key, _, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            return value or (args[i + 1] if i + 1 < len(args) else None)
-    return None
+        flag, eq, inline = arg.partition("=")
+        if flag in flags:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else value)
+    return value
+
+
+def config_file_from_args(args: list[str]) -> str | None:
+    return job_setting({}, args, "job", "config_file")
 
 
 def overridden_uniep_keys(args: list[str]) -> set[str]:
@@ -76,11 +84,7 @@ def check_toml(path: str, overridden: set[str] = frozenset()) -> dict:
 def resolve_embedded_tokenizer(args: list[str], toml: dict) -> list[str]:
     """Replace ``hf_assets_path = "embedded"`` by the shipped folder before TorchTitan
     parses the config (it warns about paths that do not exist)."""
-    value = toml.get("model", {}).get("hf_assets_path")
-    for i, arg in enumerate(args):
-        key, _, inline = arg.partition("=")
-        if key in ("--model.hf_assets_path", "--model.hf-assets-path"):
-            value = inline or (args[i + 1] if i + 1 < len(args) else None)
+    value = job_setting(toml, args, "model", "hf_assets_path")
     if value == data.EMBEDDED_TOKENIZER:
         return [*args, "--model.hf_assets_path", data.tokenizer_path(value)]
     return args
