@@ -60,3 +60,43 @@ def test_bench_ep_smoke_on_cpu(tmp_path):
     a2a = [r for r in rows if r["layer"] == "uniep[all_to_all]"]
     assert all(r["bitwise_vs_one_gpu"] and r["cross_gpu_bytes_per_gpu"] > 0 for r in a2a)
     assert all(r["fwd_ms"] > 0 and r["speedup_fwd_bwd"] > 0 for r in rows)
+
+
+def _bench_gemm_args(**kw):
+    import argparse
+
+    return argparse.Namespace(device="cpu", warmup=1, iters=1, **kw)
+
+
+def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_gemm
+
+    rows = bench_gemm.run_shape("tiny", ["default", "descriptors", "wgrad_bk128_s2"], _bench_gemm_args())
+    assert {(r["variant"], r["launch"]) for r in rows} == {
+        (v, name) for v in ("default", "descriptors", "wgrad_bk128_s2") for name in bench_gemm.LAUNCHES
+    }
+    assert all(r["ok"] for r in rows)
+    checks = {r["variant"]: r["checked"] for r in rows}
+    assert checks == {"default": "bitwise", "descriptors": "bitwise", "wgrad_bk128_s2": "close"}
+
+
+def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch):
+    """Negative control: a schedule-only variant whose w1/w3 gradient is off by one part
+    in 10^4 is caught by the bitwise check."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_gemm
+
+    real = bench_gemm.launches
+
+    def wrong_when_descriptors(p, config):
+        fns = real(p, config)
+        if config.descriptor_loads:
+            right = fns["wgrad_up"]
+            fns["wgrad_up"] = lambda: tuple(g * (1 + 1e-4) for g in right())
+        return fns
+
+    monkeypatch.setattr(bench_gemm, "launches", wrong_when_descriptors)
+    rows = bench_gemm.run_shape("tiny", ["default", "descriptors"], _bench_gemm_args())
+    failed = {(r["variant"], r["launch"]) for r in rows if not r["ok"]}
+    assert failed == {("descriptors", "wgrad_up")}

@@ -100,6 +100,10 @@ class UniEPConfig:
     num_programs: int = 0
     """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
     Does not change bits."""
+    descriptor_loads: bool = False
+    """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
+    not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead
+    of pointer loads. Does not change bits."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -152,7 +152,9 @@ def tiles_of(c: UniEPConfig):
     from uniep.kernels.grouped_gemm import GemmTiles
 
     programs = c.num_programs or None
-    gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs)
-    wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs)
+    gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages, programs,
+                     c.descriptor_loads)
+    wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps, c.wgrad_num_stages, programs,
+                      c.descriptor_loads)
     return (gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
             wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))

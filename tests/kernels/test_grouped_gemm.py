@@ -96,3 +96,56 @@ def test_wgrad_with_two_inputs_shares_the_b_rows():
     c, c2 = grouped_wgrad(a, b, expert_offsets, 4, tiles=TILES, out_dtype=torch.float32, b_row=b_row, a2=a2)
     assert torch.equal(c, grouped_wgrad(a, b, expert_offsets, 4, tiles=TILES, out_dtype=torch.float32, b_row=b_row))
     torch.testing.assert_close(c2, grouped_wgrad_reference(a2, b, counts.tolist(), b_row=b_row), rtol=1e-5, atol=1e-5)
+
+
+def _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles):
+    """Every launch of the Triton expert path (forward, input and weight gradients)."""
+    from uniep.kernels.grouped_gemm import DUAL, SWIGLU_BWD, SWIGLU_FWD
+
+    P, E = grad_y.shape[0], w1.shape[0]
+    gen = torch.Generator().manual_seed(5)
+    order = torch.randperm(P, generator=gen)
+    token, pair = (order // K).to(torch.int32), order.to(torch.int32)
+    scale = torch.rand(P, generator=gen)
+    off = tile_offsets(counts, tiles.block_m)
+    h, a1, a3 = grouped_gemm(x, w1, off, P, transpose_w=True, tiles=tiles, mode=SWIGLU_FWD, w2_E=w3,
+                             a_row=token, a_scale=scale)
+    y = grouped_gemm(h, w2, off, P, transpose_w=True, tiles=tiles, mode=PLAIN, c_row=pair)
+    d1, d3 = grouped_gemm(grad_y, w2, off, P, transpose_w=False, tiles=tiles, mode=SWIGLU_BWD, a_row=pair,
+                          aux=(a1, a3))
+    d_rows = grouped_gemm(d1, w1, off, P, transpose_w=False, tiles=tiles, mode=DUAL, a2=d3, w2_E=w3, c_row=pair)
+    gw2 = grouped_wgrad(grad_y, h, off[0], E, tiles=tiles, out_dtype=torch.float32, a_row=pair)
+    gw1, gw3 = grouped_wgrad(d1, x, off[0], E, tiles=tiles, out_dtype=torch.float32, b_row=token, b_scale=scale, a2=d3)
+    gw2_contiguous = grouped_wgrad(h, d1, off[0], E, tiles=tiles, out_dtype=torch.float32)  # both through descriptors
+    return h, a1, a3, y, d1, d3, d_rows, gw2, gw1, gw3, gw2_contiguous
+
+
+@pytest.mark.parametrize("kind, dtype", [("skewed", torch.float32), ("random", torch.float16)])
+def test_descriptor_loads_give_the_bits_of_pointer_loads(kind, dtype):
+    """Sizes off the tiles (partial row chunks, edges the descriptors fill with zeros),
+    empty experts (skewed), rows of the next expert inside a tile."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, D, H = 13, 2, 5, 24, 40
+    _, _, counts = make_routing(T, K, E, kind, gen)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w1, w3 = (torch.randn(E, H, D, generator=gen).to(dtype) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen).to(dtype)
+    grad_y = torch.randn(T * K, D, generator=gen).to(dtype)
+    pointers = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
+    descriptors = _all_launches(x, w1, w2, w3, grad_y, counts, K, dataclasses.replace(TILES, descriptors=True))
+    assert [torch.equal(a, b) for a, b in zip(pointers, descriptors)] == [True] * len(pointers)
+
+
+def test_descriptors_only_where_the_copy_engine_can_read():
+    from uniep.kernels.grouped_gemm import descriptor, descriptor_pair
+
+    w = torch.randn(3, 8, 16)
+    assert descriptor(w, [1, 8, 16]) is not None
+    assert descriptor(w.transpose(1, 2), [1, 16, 8]) is None  # last dim not contiguous
+    assert descriptor(torch.randn(4, 6), [4, 6]) is None  # rows of 24 bytes: not 16-byte aligned
+    assert descriptor(torch.randn(65)[1:].view(4, 16), [4, 16]) is None  # base 4 bytes off
+    assert descriptor_pair(w, w.transpose(1, 2), [1, 8, 16]) is None
+    first, second = descriptor_pair(w, None, [1, 8, 16])
+    assert first is second

@@ -133,7 +133,7 @@ def _dispatch_gemm_kernel(
                 K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D, SCOPE,
             )
         else:
-            e, rows, mask_m, cols, mask_n = _tile_coords(
+            e, _, _, rows, mask_m, cols, mask_n = _tile_coords(
                 task - n_push, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
                 LOG2_E, BLOCK_M, BLOCK_N,
             )

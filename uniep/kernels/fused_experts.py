@@ -41,19 +41,18 @@ from uniep.kernels.wgrad import grouped_wgrad
 
 # Tile settings travel through the custom ops as a flat list of ints: for each of the
 # four tile sets (tiles, up_tiles, wgrad_tiles, wgrad_up_tiles), these fields in order.
-_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs")
+_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs", "descriptors")
 
 
 def _pack_tiles(*tile_sets: GemmTiles) -> list[int]:
-    return [getattr(t, f) or 0 for t in tile_sets for f in _TILE_FIELDS]
+    return [int(getattr(t, f) or 0) for t in tile_sets for f in _TILE_FIELDS]
 
 
 def _unpack_tiles(packed: list[int]) -> list[GemmTiles]:
     n = len(_TILE_FIELDS)
-    return [
-        GemmTiles(*packed[i : i + n - 1], num_programs=packed[i + n - 1] or None)
-        for i in range(0, len(packed), n)
-    ]
+    sets = [dict(zip(_TILE_FIELDS, packed[i : i + n])) for i in range(0, len(packed), n)]
+    return [GemmTiles(**{**s, "num_programs": s["num_programs"] or None, "descriptors": bool(s["descriptors"])})
+            for s in sets]
 
 
 @torch.library.custom_op("uniep::fused_experts_fwd", mutates_args=())

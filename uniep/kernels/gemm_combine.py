@@ -101,7 +101,7 @@ def _gemm_combine_kernel(
     task = tl.atomic_add(counter_ptr, 1)
     while task < gemm_tasks + n_combine:
         if task < gemm_tasks:
-            e, rows, mask_m, cols, mask_n = _tile_coords(
+            e, _, _, rows, mask_m, cols, mask_n = _tile_coords(
                 task, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
             )
             acc, _ = _tile_accumulate(

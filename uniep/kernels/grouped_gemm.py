@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # Kernels may only read globals that are constexpr objects.
@@ -84,6 +85,9 @@ class GemmTiles:
     num_stages: int = 3
     num_programs: int | None = None
     """Persistent programs; None: one per SM (``2 * SMs`` for small tiles)."""
+    descriptors: bool = False
+    """Load contiguous operands (the weights; A where it is not gathered) through tensor
+    descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -135,13 +139,45 @@ def _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E: tl.constexpr):
 @triton.jit
 def _tile_coords(tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
                  LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``tile`` of the schedule -> (expert, rows (BLOCK_M,), row mask, cols (BLOCK_N,), col mask)."""
+    """Tile ``tile`` of the schedule -> (expert, first row, first column, rows (BLOCK_M,),
+    row mask, cols (BLOCK_N,), col mask)."""
     m_tile = tile // n_tiles
     e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
     row_end = tl.load(expert_offsets_ptr + e + 1)
-    rows = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, rows, rows < row_end, cols, cols < N
+    row0 = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M
+    n0 = (tile % n_tiles) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    return e, row0, n0, rows, rows < row_end, cols, cols < N
+
+
+@triton.jit
+def _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC: tl.constexpr):
+    """(BLOCK_M, BLOCK_K) tile of A: rows ``row0...`` through the descriptor (rows past the
+    expert's end belong to the next expert; their results are masked at the store), or
+    the gathered rows ``a_rows`` through pointers."""
+    if A_DESC:
+        a = a_desc.load([row0, k])
+    else:
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _b_tile(b_base, b_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+            B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) tile of B[e] at (k, n0). The descriptor reads the weight in its
+    stored layout, (E, N, Kd) when B[e] is its transpose, and fills past the edges with 0."""
+    if B_DESC:
+        if B_TRANSPOSED:
+            b = tl.trans(b_desc.load([e, n0, k]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            b = b_desc.load([e, k, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    return b
 
 
 @triton.jit
@@ -150,9 +186,12 @@ def _tile_accumulate(
     a_ptr, a2_ptr, b_ptr, b2_ptr, Kd, stride_am, stride_be, stride_bk, stride_bn,
     MODE: tl.constexpr, HAS_A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    a_desc=None, a2_desc=None, b_desc=None, b2_desc=None, row0=0, n0=0,
+    A_DESC: tl.constexpr = False, B_DESC: tl.constexpr = False, B_TRANSPOSED: tl.constexpr = False,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
-    The reduction runs over Kd in order, so the bits depend on BLOCK_K only."""
+    The reduction runs over Kd in order, so the bits depend on BLOCK_K only (not on
+    whether the operands come through descriptors or pointers)."""
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
@@ -161,23 +200,23 @@ def _tile_accumulate(
     for k in range(0, Kd, BLOCK_K):
         ks = k + offs_k
         mask_k = ks < Kd
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
         if HAS_A_SCALE:
             a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
-        b_offs = ks[:, None] * stride_bk + cols[None, :] * stride_bn
-        b_mask = mask_k[:, None] & mask_n[None, :]
-        acc = tl.dot(a, tl.load(b_base + b_offs, mask=b_mask, other=0.0), acc, input_precision=DOT_PRECISION)
+        b = _b_tile(b_base, b_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+                    B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if MODE == _SWIGLU_FWD:
-            acc3 = tl.dot(a, tl.load(b2_base + b_offs, mask=b_mask, other=0.0), acc3, input_precision=DOT_PRECISION)
+            b3 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+                         B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+            acc3 = tl.dot(a, b3, acc3, input_precision=DOT_PRECISION)
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             ks = k + offs_k
             mask_k = ks < Kd
-            a2 = tl.load(a2_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b2 = tl.load(b2_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            a2 = _a_tile(a2_ptr, a2_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
+            b2 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+                         B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
             acc = tl.dot(a2, b2, acc, input_precision=DOT_PRECISION)
     return acc, acc3
 
@@ -223,12 +262,15 @@ def _grouped_gemm_kernel(
     c_ptr, c2_ptr,  # (rows_c, N) outputs
     c_row_ptr,  # (R,) int32: output row for each plan row (HAS_C_ROW)
     aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
+    a_desc, a2_desc,  # A, A2 as tensor descriptors (A_DESC), blocks (BLOCK_M, BLOCK_K)
+    b_desc, b2_desc,  # the weights as tensor descriptors (B_DESC), blocks of one expert
     expert_offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
     N, Kd, num_experts,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -236,7 +278,7 @@ def _grouped_gemm_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        e, rows, mask_m, cols, mask_n = _tile_coords(
+        e, row0, n0, rows, mask_m, cols, mask_n = _tile_coords(
             tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
         )
         if HAS_A_ROW:
@@ -247,7 +289,7 @@ def _grouped_gemm_kernel(
         acc, acc3 = _tile_accumulate(
             e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
             Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-            DOT_PRECISION,
+            DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
         )
         if HAS_C_ROW:
             c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
@@ -275,6 +317,24 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> i
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 1 if tiles.block_m * tiles.block_n >= 128 * 128 else 2
     return max(1, min(sms * per_sm, upper_tiles))
+
+
+def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
+    """A tensor descriptor of ``t`` with ``block_shape`` blocks, or None where the copy
+    engine cannot read ``t`` (last dim not contiguous, 16-byte alignment)."""
+    align = 16 // t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:-1]):
+        return None
+    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=block_shape)
+
+
+def descriptor_pair(t, t2, block_shape):
+    """Descriptors of ``t`` and ``t2`` (``t``'s again where ``t2`` is None: the kernel
+    does not read it), or None unless both can be descriptors."""
+    pair = descriptor(t, block_shape), (None if t2 is None else descriptor(t2, block_shape))
+    if pair[0] is None or (t2 is not None and pair[1] is None):
+        return None
+    return pair[0], pair[1] or pair[0]
 
 
 def tile_offsets(rows_per_expert_E: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,6 +393,12 @@ def grouped_gemm(
     upper_tiles = (triton.cdiv(num_rows, tiles.block_m) + num_experts) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
+    a_descs = b_descs = None
+    if tiles.descriptors:
+        if a_row is None:
+            a_descs = descriptor_pair(a, a2, [tiles.block_m, tiles.block_k])
+        w_block = [1, tiles.block_n, tiles.block_k] if transpose_w else [1, tiles.block_k, tiles.block_n]
+        b_descs = descriptor_pair(w_E, w2_E, w_block)
     _grouped_gemm_kernel[(programs,)](
         a, a if a2 is None else a2,
         dummy if a_row is None else a_row,
@@ -341,11 +407,13 @@ def grouped_gemm(
         c, c2,
         dummy if c_row is None else c_row,
         aux1, aux3,
+        *(a_descs or (dummy, dummy)), *(b_descs or (dummy, dummy)),
         expert_offsets, tile_offs,
         N, Kd, num_experts,
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
+        A_DESC=a_descs is not None, B_DESC=b_descs is not None, B_TRANSPOSED=transpose_w,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),

@@ -21,7 +21,53 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, dot_precision
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, descriptor, descriptor_pair, dot_precision
+
+
+@triton.jit
+def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, cols, c0, mask_c, stride,
+              HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr):
+    """(BLOCK_K, columns) tile of a row operand at plan rows ``plan_rows``: through the
+    descriptor at rows ``r...`` (a full chunk of the expert's own rows, not gathered), or
+    through pointers (gathered by ``row_ptr``; rows past the expert's end read 0); scaled
+    rows are rounded back to the operand's dtype."""
+    if DESC:
+        t = desc.load([r, c0])
+    else:
+        if HAS_ROW:
+            src = tl.load(row_ptr + plan_rows, mask=mask_r, other=0).to(tl.int64)
+        else:
+            src = plan_rows.to(tl.int64)
+        t = tl.load(ptr + src[:, None] * stride + cols[None, :], mask=mask_r[:, None] & mask_c[None, :], other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + plan_rows, mask=mask_r, other=0.0)
+        t = (t.to(tl.float32) * scale[:, None]).to(ptr.dtype.element_ty)
+    return t
+
+
+@triton.jit
+def _accumulate_rows(
+    acc, acc2, r_begin, r_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+    a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
+    stride_am, stride_bm,
+    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
+    DUAL_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """acc (+)= A^T B (acc2 (+)= A2^T B) over plan rows [r_begin, r_end) in BLOCK_K chunks."""
+    for r in range(r_begin, r_end, BLOCK_K):
+        rows = r + tl.arange(0, BLOCK_K)
+        mask_r = rows < row_end
+        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, cols_n, n0, mask_n, stride_bm,
+                      HAS_B_ROW, HAS_B_SCALE, B_DESC)
+        a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, cols_m, m0, mask_m, stride_am,
+                      HAS_A_ROW, HAS_A_SCALE, A_DESC)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+        if DUAL_A:
+            a2 = _row_tile(a2_ptr, a2_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, cols_m, m0, mask_m, stride_am,
+                           HAS_A_ROW, HAS_A_SCALE, A_DESC)
+            acc2 = tl.dot(tl.trans(a2), b, acc2, input_precision=DOT_PRECISION)
+    return acc, acc2
 
 
 @triton.jit
@@ -33,56 +79,46 @@ def _grouped_wgrad_kernel(
     b_ptr,  # (rows_b, N)
     b_row_ptr,  # (R,) int32 (HAS_B_ROW)
     b_scale_ptr,  # (R,) fp32 (HAS_B_SCALE)
+    a_desc, a2_desc, b_desc,  # A, A2, B as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
     c_ptr, c2_ptr,  # (E, M, N)
     expert_offsets_ptr,  # (E+1,) int32
     M, N, num_experts,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    DUAL_A: tl.constexpr,
+    DUAL_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_experts * m_tiles * n_tiles, NUM_PROGRAMS):
         e = tile // (m_tiles * n_tiles)
-        cols_m = (tile // n_tiles % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols_n = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m0 = (tile // n_tiles % m_tiles) * BLOCK_M
+        n0 = (tile % n_tiles) * BLOCK_N
+        cols_m = m0 + tl.arange(0, BLOCK_M)
+        cols_n = n0 + tl.arange(0, BLOCK_N)
         mask_m = cols_m < M
         mask_n = cols_n < N
         row_start = tl.load(expert_offsets_ptr + e)
         row_end = tl.load(expert_offsets_ptr + e + 1)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if DUAL_A:
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in range(row_start, row_end, BLOCK_K):
-            rows = r + offs_r
-            mask_r = rows < row_end
-            if HAS_A_ROW:
-                a_rows = tl.load(a_row_ptr + rows, mask=mask_r, other=0).to(tl.int64)
-            else:
-                a_rows = rows.to(tl.int64)
-            if HAS_B_ROW:
-                b_rows = tl.load(b_row_ptr + rows, mask=mask_r, other=0).to(tl.int64)
-            else:
-                b_rows = rows.to(tl.int64)
-            a_offs = a_rows[:, None] * stride_am + cols_m[None, :]
-            a_mask = mask_r[:, None] & mask_m[None, :]
-            a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)  # (BLOCK_K, BLOCK_M)
-            if HAS_A_SCALE:
-                a_scale = tl.load(a_scale_ptr + rows, mask=mask_r, other=0.0)
-                a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
-            b = tl.load(b_ptr + b_rows[:, None] * stride_bm + cols_n[None, :],
-                        mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
-            if HAS_B_SCALE:
-                scale = tl.load(b_scale_ptr + rows, mask=mask_r, other=0.0)
-                b = (b.to(tl.float32) * scale[:, None]).to(b_ptr.dtype.element_ty)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-            if DUAL_A:
-                acc2 = tl.dot(tl.trans(tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0)), b, acc2,
-                              input_precision=DOT_PRECISION)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Full chunks first (descriptor loads where the operand is not gathered), then the
+        # partial last chunk through masked pointers: the same chunks in the same order.
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+        acc, acc2 = _accumulate_rows(
+            acc, acc2, row_start, full_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
+            stride_am, stride_bm, HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, DUAL_A, A_DESC, B_DESC,
+            BLOCK_K, DOT_PRECISION,
+        )
+        acc, acc2 = _accumulate_rows(
+            acc, acc2, full_end, row_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
+            stride_am, stride_bm, HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, DUAL_A, False, False,
+            BLOCK_K, DOT_PRECISION,
+        )
         c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
         c_mask = mask_m[:, None] & mask_n[None, :]
         tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -118,14 +154,21 @@ def grouped_wgrad(
     upper_tiles = num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
+    a_descs = b_desc = None
+    if tiles.descriptors:
+        if a_row is None:
+            a_descs = descriptor_pair(a, a2, [tiles.block_k, tiles.block_m])
+        if b_row is None:
+            b_desc = descriptor(b, [tiles.block_k, tiles.block_n])
     _grouped_wgrad_kernel[(programs,)](
         a, a if a2 is None else a2, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
+        *(a_descs or (dummy, dummy)), dummy if b_desc is None else b_desc,
         c, c2, expert_offsets,
         M, N, num_experts,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        DUAL_A=a2 is not None, NUM_PROGRAMS=programs,
+        DUAL_A=a2 is not None, A_DESC=a_descs is not None, B_DESC=b_desc is not None, NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -1,0 +1,226 @@
+"""Where UniEP's routed-expert time goes, launch by launch, and which tile settings win.
+
+    python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,descriptors,...]
+                                 [--warmup 5 --iters 20] [--json out.json]
+
+For each shape (``bench_moe.py``'s): one random top-k routing, then the six grouped-GEMM
+launches of the Triton path (forward gate/up with SwiGLU, forward down; input-gradient
+down with the SwiGLU backward, input-gradient up; weight gradients of w2 and of w1/w3),
+each timed alone (median of CUDA events after warm-up) under every variant, with its
+TFLOP/s. Correctness first: each launch of the default settings against an fp32
+PyTorch computation of the same rows, and every variant against the default: bitwise
+where it only changes the schedule (warps, stages, programs, descriptor loads), within
+bf16 rounding where it changes the tiles. A variant that fails is reported and not
+timed. Runs on the CPU too (the Triton interpreter, ``--device cpu``, tiny shapes) so
+its logic is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import SHAPES  # noqa: E402
+
+from uniep.config import UniEPConfig  # noqa: E402
+from uniep.expert_path import tiles_of  # noqa: E402
+from uniep.kernels.grouped_gemm import (  # noqa: E402
+    DUAL,
+    PLAIN,
+    SWIGLU_BWD,
+    SWIGLU_FWD,
+    grouped_gemm,
+    grouped_gemm_reference,
+    tile_offsets,
+)
+from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
+
+# variant name -> config knobs changed from the defaults
+VARIANTS = {
+    "default": {},
+    "descriptors": dict(descriptor_loads=True),
+    "gemm_stages3": dict(gemm_num_stages=3),
+    "gemm_bn256_s3": dict(gemm_block_n=256, gemm_num_stages=3),
+    "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
+    "desc_gemm_stages5": dict(descriptor_loads=True, gemm_num_stages=5),
+    "wgrad_stages4": dict(wgrad_num_stages=4),
+    "wgrad_bn128": dict(wgrad_block_n=128),
+    "wgrad_bk128_s2": dict(wgrad_block_k=128, wgrad_num_stages=2),
+    "wgrad_warps4": dict(wgrad_num_warps=4),
+    "desc_wgrad_stages4": dict(descriptor_loads=True, wgrad_num_stages=4),
+}
+LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
+# knobs whose change keeps the bits (schedule only)
+SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
+                  "num_programs", "descriptor_loads"}
+
+
+def make_problem(shape: str, device: str, seed: int = 0) -> dict:
+    """Inputs of the six launches at ``shape``: random routing, bf16 (fp32 on the CPU,
+    whose interpreter's bf16 dot is wrong) rows and weights."""
+    T, D, H, E, K = SHAPES[shape][:5]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    P = T * K
+    topk = torch.rand(T, E, device=device, generator=gen).topk(K, dim=1).indices
+    order = torch.argsort(topk.reshape(-1), stable=True)
+    counts = torch.bincount(topk.reshape(-1), minlength=E)
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    return dict(
+        T=T, D=D, H=H, E=E, K=K, P=P, dtype=dtype, counts=counts,
+        token_of_row=(order // K).to(torch.int32), pair_of_row=order.to(torch.int32),
+        row_scale=torch.rand(P, device=device, generator=gen),
+        x=rand(T, D), w1=rand(E, H, D, scale=D**-0.5), w3=rand(E, H, D, scale=D**-0.5), w2=rand(E, D, H, scale=H**-0.5),
+        grad_y=rand(P, D),
+    )
+
+
+def flops(p: dict) -> dict[str, float]:
+    P, D, H = p["P"], p["D"], p["H"]
+    one = 2 * P * D * H
+    return dict(gate_up=2 * one, down=one, down_dgrad=one, up_dgrad=2 * one, wgrad_down=one, wgrad_up=2 * one)
+
+
+def launches(p: dict, config: UniEPConfig) -> dict:
+    """name -> zero-argument callable of each launch with ``config``'s tiles. The forward
+    outputs that later launches read are computed once here."""
+    gemm, up, wgrad, wgrad_up = tiles_of(config)
+    P, E = p["P"], p["E"]
+    offsets = tile_offsets(p["counts"], gemm.block_m)
+    h, a1, a3 = grouped_gemm(p["x"], p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+                             w2_E=p["w3"], a_row=p["token_of_row"], a_scale=p["row_scale"])
+    d_a1, d_a3 = grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=gemm, mode=SWIGLU_BWD,
+                              a_row=p["pair_of_row"], aux=(a1, a3))
+    return dict(
+        gate_up=lambda: grouped_gemm(p["x"], p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+                                     w2_E=p["w3"], a_row=p["token_of_row"], a_scale=p["row_scale"]),
+        down=lambda: grouped_gemm(h, p["w2"], offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN,
+                                  c_row=p["pair_of_row"]),
+        down_dgrad=lambda: grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=gemm,
+                                        mode=SWIGLU_BWD, a_row=p["pair_of_row"], aux=(a1, a3)),
+        up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
+                                      a2=d_a3, w2_E=p["w3"], c_row=p["pair_of_row"]),
+        wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, offsets[0], E, tiles=wgrad, out_dtype=p["dtype"],
+                                         a_row=p["pair_of_row"]),
+        wgrad_up=lambda: grouped_wgrad(d_a1, p["x"], offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
+                                       b_row=p["token_of_row"], b_scale=p["row_scale"], a2=d_a3),
+    )
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def reference_errors(p: dict, outs: dict) -> dict[str, float]:
+    """Relative error of the default launches' first outputs (those with a PLAIN
+    structure) against fp32 PyTorch on the same rows."""
+    counts = p["counts"].tolist()
+    rows = (p["x"][p["token_of_row"].long()].float() * p["row_scale"][:, None]).to(p["dtype"])
+    h = first(outs["gate_up"])
+    refs = dict(
+        down=grouped_gemm_reference(h, p["w2"], counts, transpose_w=True),
+        wgrad_down=grouped_wgrad_reference(p["grad_y"], h, counts, a_row=p["pair_of_row"]),
+        gate_up_a1=grouped_gemm_reference(rows, p["w1"], counts, transpose_w=True),
+    )
+    down = torch.empty_like(refs["down"])
+    down[p["pair_of_row"].long()] = refs["down"]
+
+    def err(a, ref):
+        return ((a.float() - ref).norm() / ref.norm()).item()
+
+    return dict(down=err(outs["down"], down), wgrad_down=err(outs["wgrad_down"], refs["wgrad_down"]),
+                gate_up=err(outs["gate_up"][1], refs["gate_up_a1"]))
+
+
+def median_ms(fn, warmup: int, iters: int, device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    from uniep.tune.measure import median_cuda_ms
+
+    return median_cuda_ms(fn, warmup, iters)
+
+
+def run_shape(shape: str, names: list[str], args) -> list[dict]:
+    p = make_problem(shape, args.device)
+    fl = flops(p)
+    base = launches(p, UniEPConfig())
+    base_outs = {name: fn() for name, fn in base.items()}
+    errs = reference_errors(p, base_outs)
+    print(f"{shape}: default launches vs fp32: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+    if not all(e < 2e-2 for e in errs.values()):
+        raise SystemExit(f"{shape}: default launches disagree with fp32 {errs}; not timing")
+    rows = []
+    for variant in names:
+        knobs = VARIANTS[variant]
+        fns = launches(p, dataclasses.replace(UniEPConfig(), **knobs))
+        bitwise = set(knobs) <= SCHEDULE_KNOBS
+        for name, fn in fns.items():
+            out = fn()
+            pairs = list(zip(out, base_outs[name])) if isinstance(out, tuple) else [(out, base_outs[name])]
+            if bitwise:
+                ok = all(torch.equal(a, b) for a, b in pairs)
+            else:
+                ok = all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2 for a, b in pairs)
+            row = dict(shape=shape, variant=variant, launch=name, checked="bitwise" if bitwise else "close", ok=ok,
+                       ms=float("nan"), tflops=float("nan"))
+            if ok:
+                row["ms"] = median_ms(fn, args.warmup, args.iters, args.device)
+                row["tflops"] = fl[name] / row["ms"] / 1e9
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sub = [r for r in rows if r["shape"] == shape]
+        variants = list(dict.fromkeys(r["variant"] for r in sub))
+        print(f"\n{shape}: ms (TFLOP/s) per launch; X = differs from the default (not timed)")
+        print("| variant | " + " | ".join(LAUNCHES) + " | total ms |")
+        print("|---" * (len(LAUNCHES) + 2) + "|")
+        for v in variants:
+            cells, total = [], 0.0
+            for name in LAUNCHES:
+                r = next(r for r in sub if r["variant"] == v and r["launch"] == name)
+                cells.append(f"{r['ms']:.3f} ({r['tflops']:.0f})" if r["ok"] else "X")
+                total += r["ms"] if r["ok"] else float("nan")
+            print(f"| {v} | " + " | ".join(cells) + f" | {total:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="qwen3,dsv3_16b,dsv3_671b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    shapes, names = args.shapes.split(","), args.variants.split(",")
+    for field, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", names, VARIANTS)):
+        unknown = [g for g in given if g not in allowed]
+        if unknown:
+            sys.exit(f"{field}: unknown {unknown}; allowed: {', '.join(allowed)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_gemm.py: no CUDA GPU here (--device cpu runs the logic in the Triton interpreter)")
+    rows = []
+    for shape in shapes:
+        rows += run_shape(shape, names, args)
+    print_table(rows)
+    bad = [f"{r['shape']}/{r['variant']}/{r['launch']}" for r in rows if not r["ok"]]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if bad:
+        sys.exit(f"variants that changed the result: {bad}")
+
+
+if __name__ == "__main__":
+    main()
