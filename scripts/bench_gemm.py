@@ -53,6 +53,8 @@ VARIANTS = {
     "wgrad_bn128": dict(wgrad_block_n=128),
     "wgrad_bk128_s2": dict(wgrad_block_k=128, wgrad_num_stages=2),
     "wgrad_warps4": dict(wgrad_num_warps=4),
+    "gemm_warps4": dict(gemm_num_warps=4),
+    "programs_264": dict(num_programs=264),
     "desc_wgrad_stages4": dict(descriptor_loads=True, wgrad_num_stages=4),
 }
 LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
@@ -213,8 +215,9 @@ def main() -> None:
         sys.exit("bench_gemm.py: no CUDA GPU here (--device cpu runs the logic in the Triton interpreter)")
     rows = []
     for shape in shapes:
-        rows += run_shape(shape, names, args)
-    print_table(rows)
+        shape_rows = run_shape(shape, names, args)
+        print_table(shape_rows)
+        rows += shape_rows
     bad = [f"{r['shape']}/{r['variant']}/{r['launch']}" for r in rows if not r["ok"]]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
