@@ -44,18 +44,16 @@ from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: 
 # variant name -> config knobs changed from the defaults
 VARIANTS = {
     "default": {},
-    "descriptors": dict(descriptor_loads=True),
+    "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages3": dict(gemm_num_stages=3),
+    "gemm_stages5": dict(gemm_num_stages=5),
     "gemm_bn256_s3": dict(gemm_block_n=256, gemm_num_stages=3),
     "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
-    "desc_gemm_stages5": dict(descriptor_loads=True, gemm_num_stages=5),
+    "wgrad_stages2": dict(wgrad_num_stages=2),
     "wgrad_stages4": dict(wgrad_num_stages=4),
-    "wgrad_bn128": dict(wgrad_block_n=128),
     "wgrad_bk128_s2": dict(wgrad_block_k=128, wgrad_num_stages=2),
-    "wgrad_warps4": dict(wgrad_num_warps=4),
-    "gemm_warps4": dict(gemm_num_warps=4),
+    "wgrad_up_bn128": dict(wgrad_up_block_n=128),
     "programs_264": dict(num_programs=264),
-    "desc_wgrad_stages4": dict(descriptor_loads=True, wgrad_num_stages=4),
 }
 LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)

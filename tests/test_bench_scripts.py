@@ -72,13 +72,13 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_gemm
 
-    rows = bench_gemm.run_shape("tiny", ["default", "descriptors", "wgrad_bk128_s2"], _bench_gemm_args())
+    rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads", "wgrad_bk128_s2"], _bench_gemm_args())
     assert {(r["variant"], r["launch"]) for r in rows} == {
-        (v, name) for v in ("default", "descriptors", "wgrad_bk128_s2") for name in bench_gemm.LAUNCHES
+        (v, name) for v in ("default", "pointer_loads", "wgrad_bk128_s2") for name in bench_gemm.LAUNCHES
     }
     assert all(r["ok"] for r in rows)
     checks = {r["variant"]: r["checked"] for r in rows}
-    assert checks == {"default": "bitwise", "descriptors": "bitwise", "wgrad_bk128_s2": "close"}
+    assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close"}
 
 
 def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch):
@@ -89,14 +89,14 @@ def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch)
 
     real = bench_gemm.launches
 
-    def wrong_when_descriptors(p, config):
+    def wrong_with_pointers(p, config):
         fns = real(p, config)
-        if config.descriptor_loads:
+        if not config.descriptor_loads:
             right = fns["wgrad_up"]
             fns["wgrad_up"] = lambda: tuple(g * (1 + 1e-4) for g in right())
         return fns
 
-    monkeypatch.setattr(bench_gemm, "launches", wrong_when_descriptors)
-    rows = bench_gemm.run_shape("tiny", ["default", "descriptors"], _bench_gemm_args())
+    monkeypatch.setattr(bench_gemm, "launches", wrong_with_pointers)
+    rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads"], _bench_gemm_args())
     failed = {(r["variant"], r["launch"]) for r in rows if not r["ok"]}
-    assert failed == {("descriptors", "wgrad_up")}
+    assert failed == {("pointer_loads", "wgrad_up")}

@@ -72,9 +72,9 @@ class UniEPConfig:
     took fwd+bwd from 13.3 to 11.6 ms at the Qwen3-30B-A3B shape.)"""
     wgrad_block_k: int = 64
     """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
-    wgrad_up_block_n: int = 128
-    """Tile columns of the fused w1/w3 gradient, which holds two accumulators (16..256,
-    power of 2). Changes bits."""
+    wgrad_up_block_n: int = 256
+    """Tile columns of the w1/w3 gradient launch (its w3 tiles follow its w1 tiles, one
+    accumulator each) (16..256, power of 2). Changes bits."""
     wgrad_num_warps: int = 8
     """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
     wgrad_num_stages: int = 3
@@ -100,7 +100,7 @@ class UniEPConfig:
     num_programs: int = 0
     """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
     Does not change bits."""
-    descriptor_loads: bool = False
+    descriptor_loads: bool = True
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead
     of pointer loads. Does not change bits."""

@@ -9,10 +9,10 @@ Forward (3 launches):
   2. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
   3. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
 Backward (6 launches): combine backward; down dgrad with the SwiGLU backward in the
-epilogue; up dgrad (w1 and w3 in one accumulator) scattered to (token, k) order;
-fixed-order sum of each token's K input gradients; two weight-gradient GEMMs (w2, and
-w1 with w3 from shared token loads) that each sum an expert's rows in plan order inside
-one program.
+epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one accumulator) scattered to
+(token, k) order; fixed-order sum of each token's K input gradients; the w1 and w3
+weight gradients in one launch. Each weight-gradient tile sums its expert's rows in
+plan order inside one program.
 
 Registered as the custom ops ``uniep::fused_experts_fwd`` / ``uniep::fused_experts_bwd``
 with fake (meta) implementations and autograd, so ``torch.compile`` traces through them
@@ -118,6 +118,11 @@ def _fused_experts_bwd(
         grad_y_PD, w2, offsets, P, transpose_w=False, tiles=gemm, mode=SWIGLU_BWD,
         a_row=pair_of_row, aux=(a1, a3),
     )
+    # Weight gradients: one program per output tile walks its expert's rows in order,
+    # written straight from the fp32 accumulators in the parameters' dtypes. The order
+    # of the launches below keeps at most two (P, .) temporaries alive at a time.
+    grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2, a_row=pair_of_row)
+    del grad_y_PD
     # B[e] = w1[e] is (H, D): d rows = d_a1 @ w1[e] + d_a3 @ w3[e], to (token, k) order
     d_rows_PD = grouped_gemm(
         d_a1, w1, offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
@@ -129,10 +134,7 @@ def _fused_experts_bwd(
         _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
     else:
         grad_x = topk_combine(d_rows_PD, None, K)
-
-    # weight gradients: one program per output tile walks its expert's rows in order,
-    # written straight from the fp32 accumulators in the parameters' dtypes
-    grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2, a_row=pair_of_row)
+    del d_rows_PD
     grad_w1, grad_w3 = grouped_wgrad(
         d_a1, x_TD, expert_offsets, E, tiles=wgrad_up, out_dtype=dt1,
         b_row=token_of_row, b_scale=row_scale, a2=d_a3,

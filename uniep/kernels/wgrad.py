@@ -1,7 +1,8 @@
 """Weight-gradient grouped GEMM: ``C[e] = A_e^T @ B_e`` over each expert's rows.
 
-With a second input ``A2`` (same rows) it also writes ``C2[e] = A2_e^T @ B_e`` from the
-same loads of ``B`` (the w1 and w3 gradients share the token rows).
+With a second input ``A2`` (same rows) it also writes ``C2[e] = A2_e^T @ B_e`` in the
+same launch (the w1 and w3 gradients share the token rows): its tiles follow ``C[e]``'s,
+each with one accumulator, so both keep the wide tiles of a single gradient.
 
 Shape legend: R rows (expert-major), E experts, M and N the gradient's dims.
 ``A_e`` is rows ``[offsets[e], offsets[e+1])`` of A (optionally gathered through
@@ -12,7 +13,7 @@ Each output tile of ``C[e]`` is computed by one program that walks the expert's 
 plan order, accumulating in fp32: no atomics and no split over rows, so the result is
 bitwise the same for any number of programs. An expert with no rows gets zeros.
 
-Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) tiles.
+Grid: persistent, ``NUM_PROGRAMS`` programs over E * (1 or 2) * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) tiles.
 """
 
 from __future__ import annotations
@@ -47,14 +48,12 @@ def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, cols, c0, mas
 
 @triton.jit
 def _accumulate_rows(
-    acc, acc2, r_begin, r_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
-    a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
-    stride_am, stride_bm,
+    acc, r_begin, r_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+    a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    DUAL_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """acc (+)= A^T B (acc2 (+)= A2^T B) over plan rows [r_begin, r_end) in BLOCK_K chunks."""
+    """acc += A^T B over plan rows [r_begin, r_end) in BLOCK_K chunks."""
     for r in range(r_begin, r_end, BLOCK_K):
         rows = r + tl.arange(0, BLOCK_K)
         mask_r = rows < row_end
@@ -63,17 +62,44 @@ def _accumulate_rows(
         a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, cols_m, m0, mask_m, stride_am,
                       HAS_A_ROW, HAS_A_SCALE, A_DESC)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-        if DUAL_A:
-            a2 = _row_tile(a2_ptr, a2_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, cols_m, m0, mask_m, stride_am,
-                           HAS_A_ROW, HAS_A_SCALE, A_DESC)
-            acc2 = tl.dot(tl.trans(a2), b, acc2, input_precision=DOT_PRECISION)
-    return acc, acc2
+    return acc
+
+
+@triton.jit
+def _expert_tile(
+    row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c_ptr,
+    a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Tile (m0, n0) of C[e] = A_e^T B_e: the full row chunks first (descriptor loads
+    where the operand is not gathered), then the partial last chunk through masked
+    pointers; the same chunks in the same order either way."""
+    cols_m = m0 + tl.arange(0, BLOCK_M)
+    cols_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = cols_m < M
+    mask_n = cols_n < N
+    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _accumulate_rows(
+        acc, row_start, full_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+        a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+        HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION,
+    )
+    acc = _accumulate_rows(
+        acc, full_end, row_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+        a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+        HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION,
+    )
+    c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
+    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,  # (rows_a, M)
-    a2_ptr,  # (rows_a, M) (DUAL_A)
+    a2_ptr,  # (rows_a, M) (STACKED_A)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
     a_scale_ptr,  # (R,) fp32 (HAS_A_SCALE)
     b_ptr,  # (rows_b, N)
@@ -85,45 +111,37 @@ def _grouped_wgrad_kernel(
     M, N, num_experts,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    DUAL_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
+    STACKED_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    for tile in range(pid, num_experts * m_tiles * n_tiles, NUM_PROGRAMS):
-        e = tile // (m_tiles * n_tiles)
-        m0 = (tile // n_tiles % m_tiles) * BLOCK_M
+    # With A2, the tiles of C2 = A2^T B follow C's within each expert (one accumulator
+    # per tile; a program's B loads serve one output tile).
+    stacked_tiles = (2 if STACKED_A else 1) * m_tiles
+    for tile in range(pid, num_experts * stacked_tiles * n_tiles, NUM_PROGRAMS):
+        e = tile // (stacked_tiles * n_tiles)
+        m_stacked = tile // n_tiles % stacked_tiles
+        m0 = (m_stacked % m_tiles) * BLOCK_M
         n0 = (tile % n_tiles) * BLOCK_N
-        cols_m = m0 + tl.arange(0, BLOCK_M)
-        cols_n = n0 + tl.arange(0, BLOCK_N)
-        mask_m = cols_m < M
-        mask_n = cols_n < N
         row_start = tl.load(expert_offsets_ptr + e)
         row_end = tl.load(expert_offsets_ptr + e + 1)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # Full chunks first (descriptor loads where the operand is not gathered), then the
-        # partial last chunk through masked pointers: the same chunks in the same order.
-        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-        acc, acc2 = _accumulate_rows(
-            acc, acc2, row_start, full_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
-            a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
-            stride_am, stride_bm, HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, DUAL_A, A_DESC, B_DESC,
-            BLOCK_K, DOT_PRECISION,
-        )
-        acc, acc2 = _accumulate_rows(
-            acc, acc2, full_end, row_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
-            a_ptr, a2_ptr, a_desc, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr,
-            stride_am, stride_bm, HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, DUAL_A, False, False,
-            BLOCK_K, DOT_PRECISION,
-        )
-        c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
-        c_mask = mask_m[:, None] & mask_n[None, :]
-        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        if DUAL_A:
-            tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask)
+        if m_stacked < m_tiles:
+            _expert_tile(
+                row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c_ptr,
+                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            )
+        else:
+            _expert_tile(
+                row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c2_ptr,
+                a2_ptr, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            )
 
 
 def grouped_wgrad(
@@ -148,10 +166,10 @@ def grouped_wgrad(
     if a2 is not None and (a2.shape != a.shape or not a2.is_contiguous()):
         raise ValueError(f"grouped_wgrad: A2 must be contiguous with A's shape {tuple(a.shape)}")
     # the reduction runs over token rows: A tiles are (block_k, block_m), B (block_k, block_n)
-    tiles = tiles.fitted(a.dtype, a.device, a_tiles=2 if a2 is not None else 1)
+    tiles = tiles.fitted(a.dtype, a.device)
     c = torch.empty(num_experts, M, N, device=a.device, dtype=out_dtype)
     c2 = torch.empty_like(c) if a2 is not None else c
-    upper_tiles = num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
+    upper_tiles = (1 if a2 is None else 2) * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
     a_descs = b_desc = None
@@ -168,7 +186,7 @@ def grouped_wgrad(
         M, N, num_experts,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        DUAL_A=a2 is not None, A_DESC=a_descs is not None, B_DESC=b_desc is not None, NUM_PROGRAMS=programs,
+        STACKED_A=a2 is not None, A_DESC=a_descs is not None, B_DESC=b_desc is not None, NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

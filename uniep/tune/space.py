@@ -25,7 +25,7 @@ CHOICES: dict[str, tuple[int, ...]] = {
     "gemm_num_stages": (2, 3, 4, 5),
     "wgrad_block_m": (64, 128),
     "wgrad_block_n": (64, 128, 256),
-    "wgrad_up_block_n": (64, 128),
+    "wgrad_up_block_n": (128, 256),
     "wgrad_block_k": (32, 64, 128),
     "wgrad_num_warps": (4, 8),
     "wgrad_num_stages": (2, 3, 4),
@@ -76,12 +76,12 @@ def feasible(space: Space, smem_limit: int) -> np.ndarray:
     v = space.values
     ok = np.ones(len(space), dtype=bool)
     # (block_m, block_n, block_k, warps, stages, A tiles, B tiles) of each launch kind, in bf16;
-    # accumulators = the more numerous operand tiles (two B tiles: gate/up; two A tiles: w1/w3 grad)
+    # accumulators = the more numerous operand tiles (two B tiles: gate/up)
     launches = [
         (v["gemm_block_m"], v["gemm_up_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1, 2),
         (v["gemm_block_m"], v["gemm_block_n"], v["gemm_block_k"], v["gemm_num_warps"], v["gemm_num_stages"], 1, 1),
         (v["wgrad_block_m"], v["wgrad_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 1, 1),
-        (v["wgrad_block_m"], v["wgrad_up_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 2, 1),
+        (v["wgrad_block_m"], v["wgrad_up_block_n"], v["wgrad_block_k"], v["wgrad_num_warps"], v["wgrad_num_stages"], 1, 1),
     ]
     for bm, bn, bk, warps, stages, a_tiles, b_tiles in launches:
         ok &= shared_memory_bytes(bm, bn, bk, stages, 2, a_tiles, b_tiles) <= smem_limit
