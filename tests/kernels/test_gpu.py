@@ -1,6 +1,6 @@
 """On a CUDA GPU: bf16 parity of the Triton expert block with TorchTitan's MoE (against
-an fp32 computation), bitwise repeatability, and bitwise invariance to the number of
-persistent programs (a schedule knob that must not change bits)."""
+an fp32 computation), bitwise repeatability, and bitwise invariance to the schedule
+knobs (persistent programs, descriptor or pointer loads, stages, warps)."""
 
 import copy
 
@@ -62,10 +62,15 @@ def test_bitwise_repeatable_and_schedule_invariant():
     x = torch.randn(4, 777, 256, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     first = fwd_bwd(uniep, x, grad)
-    for programs in (0, 0, 7, 300):
-        uniep.config = UniEPConfig(backend="triton", num_programs=programs)
+    schedules = [dict(num_programs=p) for p in (0, 0, 7, 300)] + [
+        dict(descriptor_loads=False),
+        dict(gemm_num_stages=3, wgrad_num_stages=2),
+        dict(gemm_num_warps=4, wgrad_num_warps=4),
+    ]
+    for schedule in schedules:
+        uniep.config = UniEPConfig(backend="triton", **schedule)
         again = fwd_bwd(uniep, x, grad)
-        assert all(torch.equal(a, b) for a, b in zip(first, again)), programs
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
 
 
 def test_skewed_routing_on_gpu():
