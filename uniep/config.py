@@ -51,19 +51,20 @@ class UniEPConfig:
     gemm_block_m: int = 128
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
     Changes the bits of bf16 results."""
-    gemm_block_n: int = 128
-    """Output columns per tile of the single-accumulator GEMMs: down projection and the
-    two input-gradient GEMMs (16..256, power of 2). Changes bits."""
+    gemm_block_n: int = 256
+    """Output columns per tile of the plain GEMMs: the down projection and the up
+    input gradient (16..256, power of 2). Changes bits."""
     gemm_up_block_n: int = 128
-    """Output columns per tile of the gate/up GEMM, which holds two accumulators (w1 and
-    w3) (16..256, power of 2). Changes bits."""
+    """Output columns per tile of the two SwiGLU GEMMs: gate/up (two accumulators, w1 and
+    w3) and the down input gradient (the SwiGLU backward in its epilogue) (16..256,
+    power of 2). Changes bits."""
     gemm_block_k: int = 64
     """Reduction step (16..256, power of 2). Changes bits."""
     gemm_num_warps: int = 8
     """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
     gemm_num_stages: int = 4
-    """Software-pipelining depth (1..8). Does not change bits. (H200, Qwen3-30B-A3B
-    shape: 4 stages 1.48x TorchTitan vs 1.42x with 3; 5 exceeds shared memory.)"""
+    """Software-pipelining depth (1..8); fewer where the tiles would not fit the
+    device's shared memory. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). Changes bits."""

@@ -146,6 +146,22 @@ def test_descriptors_only_where_the_copy_engine_can_read():
     assert descriptor(w.transpose(1, 2), [1, 16, 8]) is None  # last dim not contiguous
     assert descriptor(torch.randn(4, 6), [4, 6]) is None  # rows of 24 bytes: not 16-byte aligned
     assert descriptor(torch.randn(65)[1:].view(4, 16), [4, 16]) is None  # base 4 bytes off
+    assert descriptor(torch.randn(0, 16), [4, 16]) is None  # a rank that received no rows
     assert descriptor_pair(w, w.transpose(1, 2), [1, 8, 16]) is None
     first, second = descriptor_pair(w, None, [1, 8, 16])
     assert first is second
+
+
+def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():
+    from uniep.kernels.grouped_gemm import pair_buffer
+    from uniep.kernels.wgrad import stacked
+
+    d_a1, d_a3 = pair_buffer(torch.empty(0), 5, 3)
+    d_a1.copy_(torch.randn(5, 3))
+    d_a3.copy_(torch.randn(5, 3))
+    both = stacked(d_a1, d_a3)
+    assert both.data_ptr() == d_a1.data_ptr() and torch.equal(both, torch.cat([d_a1, d_a3]))
+    apart = torch.randn(5, 3), torch.randn(5, 3)
+    copy = stacked(*apart)
+    assert copy.data_ptr() not in (apart[0].data_ptr(), apart[1].data_ptr())
+    assert torch.equal(copy, torch.cat(apart))

@@ -46,6 +46,7 @@ from uniep.kernels.grouped_gemm import (
     _tile_store,
     _weight_view,
     dot_precision,
+    pair_buffer,
 )
 
 
@@ -192,8 +193,7 @@ def dispatch_gemm(
     R = owner_rows.num_rows
     if mode == SWIGLU_FWD:
         aux = (x_TD.new_empty(R, N), x_TD.new_empty(R, N))
-    c = x_TD.new_empty(R, N)
-    c2 = x_TD.new_empty(R, N) if mode == SWIGLU_BWD else c
+    c, c2 = pair_buffer(x_TD, R, N) if mode == SWIGLU_BWD else (x_TD.new_empty(R, N),) * 2
     n_push = triton.cdiv(sends.capacity, sends_per_task)  # upper bound, for the grid
     upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles)

@@ -74,13 +74,13 @@ def expert_rows_backward(
     grad_y_RD: torch.Tensor, state: ExpertRowsState, tiles: tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the (scaled) rows (R, D), grad w1, grad w2, grad w3 in the weights' dtypes)."""
-    gemm, _, wgrad, wgrad_up = tiles
+    gemm, up, wgrad, wgrad_up = tiles
     w1, w2, w3 = state.weights
     dt1, dt2, dt3 = state.weight_dtypes
     R, E = grad_y_RD.shape[0], w1.shape[0]
     grad_y_RD = grad_y_RD.contiguous()
     expert_offsets = state.offsets[0]
-    d_a1, d_a3 = grouped_gemm(grad_y_RD, w2, state.offsets, R, transpose_w=False, tiles=gemm, mode=SWIGLU_BWD,
+    d_a1, d_a3 = grouped_gemm(grad_y_RD, w2, state.offsets, R, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
                               aux=(state.a1, state.a3))
     d_rows = grouped_gemm(d_a1, w1, state.offsets, R, transpose_w=False, tiles=gemm, mode=DUAL, a2=d_a3, w2_E=w3)
     grad_w2 = grouped_wgrad(grad_y_RD, state.h, expert_offsets, E, tiles=wgrad, out_dtype=dt2)

@@ -99,7 +99,7 @@ def _fused_experts_bwd(
     expert_offsets: torch.Tensor, tile_offs: torch.Tensor, score_before: bool, tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (grad_x, grad_scores (fp32), grad_w1, grad_w2, grad_w3 (the weights' dtypes))."""
-    gemm, _, wgrad, wgrad_up = _unpack_tiles(tiles)
+    gemm, up, wgrad, wgrad_up = _unpack_tiles(tiles)
     T, K = scores_TK.shape
     P = T * K
     E = w1.shape[0]
@@ -115,7 +115,7 @@ def _fused_experts_bwd(
     grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if score_before else scores_TK, K)
     # B[e] = w2[e] is (D, H): d h = grad_y @ w2[e], then SwiGLU backward
     d_a1, d_a3 = grouped_gemm(
-        grad_y_PD, w2, offsets, P, transpose_w=False, tiles=gemm, mode=SWIGLU_BWD,
+        grad_y_PD, w2, offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
         a_row=pair_of_row, aux=(a1, a3),
     )
     # Weight gradients: one program per output tile walks its expert's rows in order,
@@ -190,9 +190,10 @@ def fused_experts(
 
     ``send_order_P`` (P,) int64 is the plan's row order (pair ids ``t*K + k`` sorted by
     expert); ``rows_per_expert_E`` (E,) int64 its per-expert counts, on the device.
-    ``up_tiles`` / ``wgrad_up_tiles`` (default: ``tiles`` / ``wgrad_tiles``) are used by
-    the two-accumulator launches (gate/up forward, w1/w3 gradient); their ``block_m``
-    must equal ``tiles.block_m``.
+    ``up_tiles`` (default: ``tiles``) are used by the two SwiGLU launches (gate/up forward
+    with two accumulators, down dgrad with the SwiGLU backward epilogue: both hold twice a
+    plain tile's registers), ``wgrad_up_tiles`` (default: ``wgrad_tiles``) by the w1/w3
+    gradient; ``up_tiles.block_m`` must equal ``tiles.block_m``.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
     if up_tiles is not None:

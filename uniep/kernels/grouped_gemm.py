@@ -321,11 +321,18 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> i
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
     """A tensor descriptor of ``t`` with ``block_shape`` blocks, or None where the copy
-    engine cannot read ``t`` (last dim not contiguous, 16-byte alignment)."""
+    engine cannot read ``t`` (empty, last dim not contiguous, 16-byte alignment)."""
     align = 16 // t.element_size()
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:-1]):
+    if t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:-1]):
         return None
     return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=block_shape)
+
+
+def pair_buffer(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (rows, cols) tensors, halves of one buffer: the SwiGLU backward's outputs, which
+    the w1/w3 weight gradient then reads as one stacked operand."""
+    pair = like.new_empty(2, rows, cols)
+    return pair[0], pair[1]
 
 
 def descriptor_pair(t, t2, block_shape):
@@ -385,8 +392,7 @@ def grouped_gemm(
     if w2_E is not None and (w2_E.shape != w_E.shape or w2_E.stride() != w_E.stride()):
         raise ValueError("grouped_gemm: the second weight must have the first one's shape and strides")
     rows_c = num_rows if out_rows is None else out_rows
-    c = a.new_empty(rows_c, N)
-    c2 = a.new_empty(rows_c, N) if mode == SWIGLU_BWD else c
+    c, c2 = pair_buffer(a, rows_c, N) if mode == SWIGLU_BWD else (a.new_empty(rows_c, N),) * 2
     if mode == SWIGLU_FWD:
         aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
     aux1, aux3 = aux if aux is not None else (c, c)

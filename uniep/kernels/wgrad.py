@@ -22,23 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, descriptor, descriptor_pair, dot_precision
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, descriptor, dot_precision
 
 
 @triton.jit
-def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, cols, c0, mask_c, stride,
+def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, shift, cols, c0, mask_c, stride,
               HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr):
-    """(BLOCK_K, columns) tile of a row operand at plan rows ``plan_rows``: through the
-    descriptor at rows ``r...`` (a full chunk of the expert's own rows, not gathered), or
+    """(BLOCK_K, columns) tile of a row operand at plan rows ``plan_rows``, its source rows
+    moved down by ``shift`` (the second operand of a stacked pair): through the descriptor
+    at rows ``r + shift...`` (a full chunk of the expert's own rows, not gathered), or
     through pointers (gathered by ``row_ptr``; rows past the expert's end read 0); scaled
     rows are rounded back to the operand's dtype."""
     if DESC:
-        t = desc.load([r, c0])
+        t = desc.load([r + shift, c0])
     else:
         if HAS_ROW:
             src = tl.load(row_ptr + plan_rows, mask=mask_r, other=0).to(tl.int64)
         else:
             src = plan_rows.to(tl.int64)
+        src += shift
         t = tl.load(ptr + src[:, None] * stride + cols[None, :], mask=mask_r[:, None] & mask_c[None, :], other=0.0)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + plan_rows, mask=mask_r, other=0.0)
@@ -48,100 +50,93 @@ def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, cols, c0, mas
 
 @triton.jit
 def _accumulate_rows(
-    acc, r_begin, r_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
+    acc, r_begin, r_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
     a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
-    """acc += A^T B over plan rows [r_begin, r_end) in BLOCK_K chunks."""
-    for r in range(r_begin, r_end, BLOCK_K):
+    """acc += A^T B over plan rows [r_begin, r_end) in BLOCK_K chunks, software-pipelined
+    ``LOOP_STAGES`` deep."""
+    for r in tl.range(r_begin, r_end, BLOCK_K, num_stages=LOOP_STAGES):
         rows = r + tl.arange(0, BLOCK_K)
         mask_r = rows < row_end
-        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, cols_n, n0, mask_n, stride_bm,
+        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, 0, cols_n, n0, mask_n, stride_bm,
                       HAS_B_ROW, HAS_B_SCALE, B_DESC)
-        a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, cols_m, m0, mask_m, stride_am,
+        a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, a_shift, cols_m, m0, mask_m, stride_am,
                       HAS_A_ROW, HAS_A_SCALE, A_DESC)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def _expert_tile(
-    row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c_ptr,
-    a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Tile (m0, n0) of C[e] = A_e^T B_e: the full row chunks first (descriptor loads
-    where the operand is not gathered), then the partial last chunk through masked
-    pointers; the same chunks in the same order either way."""
-    cols_m = m0 + tl.arange(0, BLOCK_M)
-    cols_n = n0 + tl.arange(0, BLOCK_N)
-    mask_m = cols_m < M
-    mask_n = cols_n < N
-    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate_rows(
-        acc, row_start, full_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
-        a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-        HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION,
-    )
-    acc = _accumulate_rows(
-        acc, full_end, row_end, row_end, m0, cols_m, mask_m, n0, cols_n, mask_n,
-        a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-        HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION,
-    )
-    c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
-    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr,  # (rows_a, M)
-    a2_ptr,  # (rows_a, M) (STACKED_A)
+    a_ptr,  # (halves * rows_a, M): A, or A and A2 stacked (HALVES = 2)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
     a_scale_ptr,  # (R,) fp32 (HAS_A_SCALE)
     b_ptr,  # (rows_b, N)
     b_row_ptr,  # (R,) int32 (HAS_B_ROW)
     b_scale_ptr,  # (R,) fp32 (HAS_B_SCALE)
-    a_desc, a2_desc, b_desc,  # A, A2, B as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
-    c_ptr, c2_ptr,  # (E, M, N)
+    a_desc, b_desc,  # A (all halves), B as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
+    c_ptr, c2_ptr,  # (E, M, N) each: C, C2
     expert_offsets_ptr,  # (E+1,) int32
-    M, N, num_experts,
+    M, N, num_experts, rows_a,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    STACKED_A: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    # With A2, the tiles of C2 = A2^T B follow C's within each expert (one accumulator
-    # per tile; a program's B loads serve one output tile).
-    stacked_tiles = (2 if STACKED_A else 1) * m_tiles
+    # An expert's C2 tiles follow its C tiles: one accumulator per tile, each program's
+    # B loads serve one output tile.
+    stacked_tiles = HALVES * m_tiles
     for tile in range(pid, num_experts * stacked_tiles * n_tiles, NUM_PROGRAMS):
         e = tile // (stacked_tiles * n_tiles)
         m_stacked = tile // n_tiles % stacked_tiles
+        half = m_stacked // m_tiles
         m0 = (m_stacked % m_tiles) * BLOCK_M
         n0 = (tile % n_tiles) * BLOCK_N
+        cols_m = m0 + tl.arange(0, BLOCK_M)
+        cols_n = n0 + tl.arange(0, BLOCK_N)
+        mask_m = cols_m < M
+        mask_n = cols_n < N
         row_start = tl.load(expert_offsets_ptr + e)
         row_end = tl.load(expert_offsets_ptr + e + 1)
-        if m_stacked < m_tiles:
-            _expert_tile(
-                row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c_ptr,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC,
-                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-            )
+        a_shift = half * rows_a  # int32: descriptor coordinates are 32-bit
+        # Full chunks first (descriptor loads where the operand is not gathered), then the
+        # partial last chunk through masked pointers, unpipelined (no second set of
+        # shared-memory stages): the same chunks in the same order.
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _accumulate_rows(
+            acc, row_start, full_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+        )
+        acc = _accumulate_rows(
+            acc, full_end, row_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
+        )
+        c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
+        c_mask = mask_m[:, None] & mask_n[None, :]
+        if half == 0:
+            tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
-            _expert_tile(
-                row_start, row_end, m0, n0, M, N, stride_ce, stride_cm, e, c2_ptr,
-                a2_ptr, a2_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC,
-                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-            )
+            tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
+
+
+def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
+    """(2 * rows, M): ``a`` and ``a2`` as one tensor; a view where ``a2`` directly follows
+    ``a`` in memory (as ``pair_buffer`` lays them out), else a copy."""
+    if (a2.shape == a.shape and a.is_contiguous() and a2.is_contiguous()
+            and a2.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+            and a.untyped_storage().data_ptr() == a2.untyped_storage().data_ptr()):
+        return a.as_strided((2 * a.shape[0], a.shape[1]), (a.shape[1], 1))
+    return torch.cat([a, a2])
 
 
 def grouped_wgrad(
@@ -159,34 +154,39 @@ def grouped_wgrad(
     a2: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(E, M, N): ``A_e^T @ B_e`` for each expert (see the module docstring); with
-    ``a2``, the pair ``(A_e^T @ B_e, A2_e^T @ B_e)``."""
+    ``a2``, the pair ``(A_e^T @ B_e, A2_e^T @ B_e)`` (``a2`` laid out right after ``a``,
+    as ``pair_buffer`` does, is read in place; otherwise the two are copied together)."""
     if not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("grouped_wgrad: A and B must be contiguous")
-    M, N = a.shape[1], b.shape[1]
-    if a2 is not None and (a2.shape != a.shape or not a2.is_contiguous()):
-        raise ValueError(f"grouped_wgrad: A2 must be contiguous with A's shape {tuple(a.shape)}")
+    rows_a, M = a.shape
+    N = b.shape[1]
+    if a2 is not None and a2.shape != a.shape:
+        raise ValueError(f"grouped_wgrad: A2 must have A's shape {tuple(a.shape)}; got {tuple(a2.shape)}")
+    halves = 1 if a2 is None else 2
+    a_all = a if a2 is None else stacked(a, a2)
     # the reduction runs over token rows: A tiles are (block_k, block_m), B (block_k, block_n)
     tiles = tiles.fitted(a.dtype, a.device)
     c = torch.empty(num_experts, M, N, device=a.device, dtype=out_dtype)
-    c2 = torch.empty_like(c) if a2 is not None else c
-    upper_tiles = (1 if a2 is None else 2) * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
+    c2 = c if a2 is None else torch.empty_like(c)
+    upper_tiles = halves * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
-    a_descs = b_desc = None
+    a_desc = b_desc = None
     if tiles.descriptors:
         if a_row is None:
-            a_descs = descriptor_pair(a, a2, [tiles.block_k, tiles.block_m])
+            a_desc = descriptor(a_all, [tiles.block_k, tiles.block_m])
         if b_row is None:
             b_desc = descriptor(b, [tiles.block_k, tiles.block_n])
     _grouped_wgrad_kernel[(programs,)](
-        a, a if a2 is None else a2, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
+        a_all, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
-        *(a_descs or (dummy, dummy)), dummy if b_desc is None else b_desc,
+        dummy if a_desc is None else a_desc, dummy if b_desc is None else b_desc,
         c, c2, expert_offsets,
-        M, N, num_experts,
+        M, N, num_experts, rows_a,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        STACKED_A=a2 is not None, A_DESC=a_descs is not None, B_DESC=b_desc is not None, NUM_PROGRAMS=programs,
+        HALVES=halves, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
+        NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -491,7 +491,7 @@ class _MegakernelExperts(torch.autograd.Function):
         counters, error = _launch_state(grad_out_TD.device)
         grad_in = grad_out_TD if relay is None else relay.to_relays(grad_out_TD)
         d_a1, d_a3 = dispatch_gemm(
-            sends, peers, rows, grad_in, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.gemm,
+            sends, peers, rows, grad_in, w2, None, mode=SWIGLU_BWD, epoch=peers.next_epoch(), tiles=sched.up,
             sends_per_task=sched.sends_per_task, max_spins=sched.max_spins, counter=counters[0], error=error,
             a_row=a_row, a_scale=scale, scale_rows=not before, aux=(a1, a3),
         )

@@ -131,7 +131,7 @@ def predict(space: Space, shape: MoEShape, rows_per_expert: np.ndarray, spec: De
         + combine
         # backward: combine backward, down dgrad + SwiGLU backward, up dgrad, weight gradients
         + combine
-        + _row_gemm(cal, spec, rows_E, H, D, 1, bn=v["gemm_block_n"], bytes_moved=(P * D + E * H * D + 4 * P * H) * b, **g)
+        + _row_gemm(cal, spec, rows_E, H, D, 1, bn=v["gemm_up_block_n"], bytes_moved=(P * D + E * H * D + 4 * P * H) * b, **g)
         + _row_gemm(cal, spec, rows_E, D, 2 * H, 1, bn=v["gemm_block_n"], bytes_moved=(2 * P * H + 2 * E * H * D + P * D) * b, **g)
         + _wgrad(cal, spec, rows_E, D, H, 1, bn=v["wgrad_block_n"], bytes_moved=(P * D + P * H + E * H * D) * b, **w)
         + _wgrad(cal, spec, rows_E, 2 * H, D, 1, bn=v["wgrad_up_block_n"], bytes_moved=(2 * P * H + P * D + 2 * E * H * D) * b, **w)
