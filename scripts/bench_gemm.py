@@ -49,7 +49,7 @@ VARIANTS = {
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),
     "gemm_bn128": dict(gemm_block_n=128),
-    "gemm_up_bn256_s3": dict(gemm_up_block_n=256, gemm_num_stages=3),
+    "gemm_up_bn64": dict(gemm_up_block_n=64),
     "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
     "wgrad_stages2": dict(wgrad_num_stages=2),
     "wgrad_stages4": dict(wgrad_num_stages=4),

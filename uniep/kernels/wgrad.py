@@ -1,8 +1,8 @@
 """Weight-gradient grouped GEMM: ``C[e] = A_e^T @ B_e`` over each expert's rows.
 
 With a second input ``A2`` (same rows) it also writes ``C2[e] = A2_e^T @ B_e`` in the
-same launch (the w1 and w3 gradients share the token rows): its tiles follow ``C[e]``'s,
-each with one accumulator, so both keep the wide tiles of a single gradient.
+same launch (the w1 and w3 gradients share the token rows), as the transposes of
+``B_e^T @ [A_e | A2_e]``: one accumulator per tile, the wide tiles of a single gradient.
 
 Shape legend: R rows (expert-major), E experts, M and N the gradient's dims.
 ``A_e`` is rows ``[offsets[e], offsets[e+1])`` of A (optionally gathered through
@@ -13,7 +13,7 @@ Each output tile of ``C[e]`` is computed by one program that walks the expert's 
 plan order, accumulating in fp32: no atomics and no split over rows, so the result is
 bitwise the same for any number of programs. An expert with no rows gets zeros.
 
-Grid: persistent, ``NUM_PROGRAMS`` programs over E * (1 or 2) * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) tiles.
+Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N) tiles.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, shift, cols, 
 
 @triton.jit
 def _accumulate_rows(
-    acc, r_begin, r_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+    acc, r_begin, r_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
     a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -61,9 +61,9 @@ def _accumulate_rows(
     for r in tl.range(r_begin, r_end, BLOCK_K, num_stages=LOOP_STAGES):
         rows = r + tl.arange(0, BLOCK_K)
         mask_r = rows < row_end
-        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, 0, cols_n, n0, mask_n, stride_bm,
+        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, b_shift, cols_n, n0, mask_n, stride_bm,
                       HAS_B_ROW, HAS_B_SCALE, B_DESC)
-        a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, a_shift, cols_m, m0, mask_m, stride_am,
+        a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, 0, cols_m, m0, mask_m, stride_am,
                       HAS_A_ROW, HAS_A_SCALE, A_DESC)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     return acc
@@ -71,16 +71,16 @@ def _accumulate_rows(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr,  # (halves * rows_a, M): A, or A and A2 stacked (HALVES = 2)
+    a_ptr,  # (rows, M)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
     a_scale_ptr,  # (R,) fp32 (HAS_A_SCALE)
-    b_ptr,  # (rows_b, N)
+    b_ptr,  # (halves * rows_b, N): B, or B and B2 stacked (HALVES = 2)
     b_row_ptr,  # (R,) int32 (HAS_B_ROW)
     b_scale_ptr,  # (R,) fp32 (HAS_B_SCALE)
-    a_desc, b_desc,  # A (all halves), B as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
-    c_ptr, c2_ptr,  # (E, M, N) each: C, C2
+    a_desc, b_desc,  # A, B (all halves) as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
+    c_ptr, c2_ptr,  # (E, M, N) each; with HALVES = 2, (E, N, M): C^T and C2^T
     expert_offsets_ptr,  # (E+1,) int32
-    M, N, num_experts, rows_a,
+    M, N, num_experts, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
@@ -90,47 +90,51 @@ def _grouped_wgrad_kernel(
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    # An expert's C2 tiles follow its C tiles: one accumulator per tile, each program's
-    # B loads serve one output tile.
-    stacked_tiles = HALVES * m_tiles
-    for tile in range(pid, num_experts * stacked_tiles * n_tiles, NUM_PROGRAMS):
-        e = tile // (stacked_tiles * n_tiles)
-        m_stacked = tile // n_tiles % stacked_tiles
-        half = m_stacked // m_tiles
-        m0 = (m_stacked % m_tiles) * BLOCK_M
-        n0 = (tile % n_tiles) * BLOCK_N
+    # Within an expert's row tile of A, the tiles of B2 follow B's: one accumulator per
+    # tile, and the programs running at once share the expert's rows in L2.
+    stacked_tiles = HALVES * n_tiles
+    for tile in range(pid, num_experts * m_tiles * stacked_tiles, NUM_PROGRAMS):
+        e = tile // (m_tiles * stacked_tiles)
+        m0 = (tile // stacked_tiles % m_tiles) * BLOCK_M
+        n_stacked = tile % stacked_tiles
+        half = n_stacked // n_tiles
+        n0 = (n_stacked % n_tiles) * BLOCK_N
         cols_m = m0 + tl.arange(0, BLOCK_M)
         cols_n = n0 + tl.arange(0, BLOCK_N)
         mask_m = cols_m < M
         mask_n = cols_n < N
         row_start = tl.load(expert_offsets_ptr + e)
         row_end = tl.load(expert_offsets_ptr + e + 1)
-        a_shift = half * rows_a  # int32: descriptor coordinates are 32-bit
+        b_shift = half * rows_b  # int32: descriptor coordinates are 32-bit
         # Full chunks first (descriptor loads where the operand is not gathered), then the
         # partial last chunk through masked pointers, unpipelined (no second set of
         # shared-memory stages): the same chunks in the same order.
         full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _accumulate_rows(
-            acc, row_start, full_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
             a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
         )
         acc = _accumulate_rows(
-            acc, full_end, row_end, row_end, a_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
             a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
         )
-        c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
         c_mask = mask_m[:, None] & mask_n[None, :]
-        if half == 0:
+        if HALVES == 1:
+            c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
             tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
-            tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
+            c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
+            if half == 0:
+                tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            else:
+                tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
 
 
 def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
-    """(2 * rows, M): ``a`` and ``a2`` as one tensor; a view where ``a2`` directly follows
+    """(2 * rows, cols): ``a`` and ``a2`` as one tensor; a view where ``a2`` directly follows
     ``a`` in memory (as ``pair_buffer`` lays them out), else a copy."""
     if (a2.shape == a.shape and a.is_contiguous() and a2.is_contiguous()
             and a2.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
@@ -158,31 +162,40 @@ def grouped_wgrad(
     as ``pair_buffer`` does, is read in place; otherwise the two are copied together)."""
     if not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("grouped_wgrad: A and B must be contiguous")
-    rows_a, M = a.shape
-    N = b.shape[1]
     if a2 is not None and a2.shape != a.shape:
         raise ValueError(f"grouped_wgrad: A2 must have A's shape {tuple(a.shape)}; got {tuple(a2.shape)}")
-    halves = 1 if a2 is None else 2
-    a_all = a if a2 is None else stacked(a, a2)
-    # the reduction runs over token rows: A tiles are (block_k, block_m), B (block_k, block_n)
-    tiles = tiles.fitted(a.dtype, a.device)
+    M, N = a.shape[1], b.shape[1]
     c = torch.empty(num_experts, M, N, device=a.device, dtype=out_dtype)
-    c2 = c if a2 is None else torch.empty_like(c)
+    if a2 is None:
+        _launch(a, a_row, a_scale, b, b_row, b_scale, c, c, expert_offsets, num_experts, tiles, halves=1)
+        return c
+    # (C, C2) = ((B^T A)^T, (B^T A2)^T): A and A2 stacked as the second operand, C's and
+    # C2's tiles side by side, stored transposed. For w1/w3 the gathered token rows then
+    # fill the narrow tile and the stacked gradients the wide one, through a descriptor.
+    c2 = torch.empty_like(c)
+    _launch(b, b_row, b_scale, stacked(a, a2), a_row, a_scale, c, c2, expert_offsets, num_experts, tiles, halves=2)
+    return c, c2
+
+
+def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
+    """C = A^T B per expert (halves = 1), or C^T, C2^T from B's two stacked halves."""
+    M, N = a.shape[1], b.shape[1]
+    tiles = tiles.fitted(a.dtype, a.device)  # A tiles are (block_k, block_m), B (block_k, block_n)
     upper_tiles = halves * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
     a_desc = b_desc = None
     if tiles.descriptors:
         if a_row is None:
-            a_desc = descriptor(a_all, [tiles.block_k, tiles.block_m])
+            a_desc = descriptor(a, [tiles.block_k, tiles.block_m])
         if b_row is None:
             b_desc = descriptor(b, [tiles.block_k, tiles.block_n])
     _grouped_wgrad_kernel[(programs,)](
-        a_all, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
+        a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
         dummy if a_desc is None else a_desc, dummy if b_desc is None else b_desc,
         c, c2, expert_offsets,
-        M, N, num_experts, rows_a,
+        M, N, num_experts, b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
         HALVES=halves, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
@@ -191,7 +204,6 @@ def grouped_wgrad(
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return c if a2 is None else (c, c2)
 
 
 def grouped_wgrad_reference(a, b, rows_per_expert, *, a_row=None, a_scale=None, b_row=None, b_scale=None):
