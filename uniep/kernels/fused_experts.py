@@ -8,9 +8,8 @@ Forward (3 launches):
      SwiGLU in the epilogue            -> h (P, H), a1, a3 (P, H) kept for backward
   2. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
   3. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
-Backward (6 launches): the scores' gradient; down dgrad (output-gradient rows gathered
-and scaled in its loads) with the SwiGLU backward in the epilogue; the w2 weight
-gradient (the same rows); up dgrad (w1 and w3 in one accumulator) scattered to
+Backward (6 launches): combine backward; down dgrad with the SwiGLU backward in the
+epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one accumulator) scattered to
 (token, k) order; fixed-order sum of each token's K input gradients; the w1 and w3
 weight gradients in one launch. Each weight-gradient tile sums its expert's rows in
 plan order inside one program.
@@ -109,26 +108,21 @@ def _fused_experts_bwd(
     offsets = (expert_offsets, tile_offs)
     pair_of_row = send_order_P.to(torch.int32)
     token_of_row = (send_order_P // K).to(torch.int32)
-    row_scores = scores_TK.reshape(-1)[send_order_P].contiguous()
+    row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
     grad_out_TD = grad_out_TD.contiguous()
 
-    # The gradient of expert output row (t, k) is grad_out[t], times score[t, k] when the
-    # scores come after the experts. The kernels gather grad_out's rows and scale them
-    # in their loads, rounded as a separate product is (the bits of the combine
-    # backward's rows), so no (P, D) copy is made.
-    grad_row_scale = None if score_before else row_scores
-    if not score_before:
-        _, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, scores_TK, K, write_rows=False)
+    # grad of y in (token, k) order; grad of the scores when applied after the experts
+    grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if score_before else scores_TK, K)
     # B[e] = w2[e] is (D, H): d h = grad_y @ w2[e], then SwiGLU backward
     d_a1, d_a3 = grouped_gemm(
-        grad_out_TD, w2, offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
-        a_row=token_of_row, a_scale=grad_row_scale, aux=(a1, a3),
+        grad_y_PD, w2, offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
+        a_row=pair_of_row, aux=(a1, a3),
     )
     # Weight gradients: one program per output tile walks its expert's rows in order,
     # written straight from the fp32 accumulators in the parameters' dtypes. The order
-    # of the launches below keeps one (P, D) temporary alive at a time.
-    grad_w2 = grouped_wgrad(grad_out_TD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2,
-                            a_row=token_of_row, a_scale=grad_row_scale)
+    # of the launches below keeps at most two (P, .) temporaries alive at a time.
+    grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2, a_row=pair_of_row)
+    del grad_y_PD
     # B[e] = w1[e] is (H, D): d rows = d_a1 @ w1[e] + d_a3 @ w3[e], to (token, k) order
     d_rows_PD = grouped_gemm(
         d_a1, w1, offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
@@ -143,7 +137,7 @@ def _fused_experts_bwd(
     del d_rows_PD
     grad_w1, grad_w3 = grouped_wgrad(
         d_a1, x_TD, expert_offsets, E, tiles=wgrad_up, out_dtype=dt1,
-        b_row=token_of_row, b_scale=row_scores if score_before else None, a2=d_a3,
+        b_row=token_of_row, b_scale=row_scale, a2=d_a3,
     )
     return grad_x, grad_scores, grad_w1, grad_w2, grad_w3.to(dt3)
 
