@@ -39,9 +39,9 @@ SHAPES = {
 }
 
 SWEEP = {
-    "descriptor_loads": dict(descriptor_loads=True),
-    "gemm_bn256_s3": dict(gemm_block_n=256, gemm_num_stages=3),
-    "wgrad_bn128": dict(wgrad_block_n=128),
+    "pointer_loads": dict(descriptor_loads=False),
+    "gemm_bn128": dict(gemm_block_n=128),
+    "wgrad_stages4": dict(wgrad_num_stages=4),
 }
 
 

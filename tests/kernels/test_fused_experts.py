@@ -3,7 +3,6 @@ path, and the UniEP layer with backend "triton" against TorchTitan's MoE."""
 
 import pytest
 import torch
-from torchtitan.models.moe import MoE, MoEArgs
 
 from tests.kernels.routing import make_routing
 from uniep import UniEPConfig, UniEPConfigError, UniEPMoE
@@ -93,6 +92,8 @@ SMALL_TILES = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_bloc
 
 def titan_and_uniep(seed, backend, *, num_experts, num_shared_experts, score_before):
     """A TorchTitan MoE (dim 32, hidden 16, top-2) and a UniEP layer sharing its parameters."""
+    moe = pytest.importorskip("torchtitan.models.moe", reason="the reference layer is TorchTitan's")
+    MoE, MoEArgs = moe.MoE, moe.MoEArgs
     torch.manual_seed(seed)
     args = MoEArgs(num_experts=num_experts, num_shared_experts=num_shared_experts, top_k=2, score_func="softmax",
                    route_norm=True, score_before_experts=score_before)
