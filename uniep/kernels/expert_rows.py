@@ -1,6 +1,6 @@
-"""The SwiGLU expert MLP over rows that are already expert-major (the rows an
-expert-parallel transport delivered to their owner), forward and backward on the
-Triton kernels.
+"""The SwiGLU expert MLP over expert-major rows on the Triton kernels, forward and
+backward: the one sequence of grouped-GEMM launches of every Triton path (one rank, and
+the rows an expert-parallel transport delivered to their owner).
 
 Shape legend: R rows (expert-major, the plan's order), D model dim, H hidden dim,
 E local experts.
@@ -8,10 +8,15 @@ E local experts.
     h = silu(s * rows @ w1[e]^T) * (s * rows @ w3[e]^T)        y = h @ w2[e]^T
 
 where ``s`` is each row's score when scores are applied before the experts (rounded to
-the rows' dtype after scaling, as ``fused_experts`` does), else 1. The launches are the
-single-rank fused path's with its row gathers and scatters taken out: the same tiles
-over the same rows in the same order, so the bits equal that path's.
-The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+the rows' dtype after scaling), else 1. The GEMMs may gather their input rows
+(``source_row``: the plan row's row of ``rows``, e.g. its token) and scatter their
+outputs (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside
+the kernels; the output gradient is read in ``y``'s layout and the input-row gradient
+written in it. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+
+The backward is three steps, so a caller can release each temporary as soon as it is
+used: ``down_backward`` (SwiGLU backward, w2 gradient), ``rows_input_grad``,
+``up_weight_grads``; ``expert_rows_backward`` runs all three.
 """
 
 from __future__ import annotations
@@ -32,12 +37,17 @@ from uniep.kernels.grouped_gemm import (
 )
 from uniep.kernels.wgrad import grouped_wgrad
 
+Tiles = tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles]
+"""(gemm, up, wgrad, wgrad_up) tile settings, as in ``fused_experts``."""
+
 
 @dataclass
 class ExpertRowsState:
     """What the backward needs from the forward."""
 
-    rows_RD: torch.Tensor
+    rows: torch.Tensor
+    source_row: torch.Tensor | None
+    target_row: torch.Tensor | None
     scale_R: torch.Tensor | None
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     weight_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
@@ -46,44 +56,82 @@ class ExpertRowsState:
     a3: torch.Tensor
     offsets: tuple[torch.Tensor, torch.Tensor]
 
+    @property
+    def num_rows(self) -> int:
+        return self.h.shape[0]
+
+
+def compute_weights(w1_EHD, w2_EDH, w3_EHD, dtype):
+    """(the weights in the compute dtype, their own dtypes)."""
+    dtypes = (w1_EHD.dtype, w2_EDH.dtype, w3_EHD.dtype)
+    return tuple(w.to(dtype) for w in (w1_EHD, w2_EDH, w3_EHD)), dtypes
+
 
 def expert_rows_forward(
-    rows_RD: torch.Tensor,
+    rows: torch.Tensor,
     scale_R: torch.Tensor | None,
     rows_per_expert_E: torch.Tensor,
     w1_EHD: torch.Tensor,
     w2_EDH: torch.Tensor,
     w3_EHD: torch.Tensor,
-    tiles: tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles],
+    tiles: Tiles,
+    *,
+    source_row: torch.Tensor | None = None,
+    target_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ExpertRowsState]:
-    """(y (R, D), state). ``rows_per_expert_E`` (E,) int64 on the device; ``tiles`` =
-    (gemm, up, wgrad, wgrad_up) as in ``fused_experts``."""
+    """(y, state): y has R rows (plan order, or scattered to ``target_row``).
+    ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
+    int32 or None (plan order); ``scale_R`` (R,) fp32 or None."""
     gemm, up, _, _ = tiles
     check_row_tiles(gemm, up, "expert rows")
-    R = rows_RD.shape[0]
-    dtypes = (w1_EHD.dtype, w2_EDH.dtype, w3_EHD.dtype)
-    w1, w2, w3 = (w.to(rows_RD.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
+    R = rows.shape[0] if source_row is None else source_row.shape[0]
+    (w1, w2, w3), dtypes = compute_weights(w1_EHD, w2_EDH, w3_EHD, rows.dtype)
     offsets = tile_offsets(rows_per_expert_E, gemm.block_m)
-    h, a1, a3 = grouped_gemm(rows_RD, w1, offsets, R, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-                             w2_E=w3, a_scale=scale_R)
-    y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=gemm, mode=PLAIN)
-    return y, ExpertRowsState(rows_RD, scale_R, (w1, w2, w3), dtypes, h, a1, a3, offsets)
+    # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
+    h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+                             w2_E=w3, a_row=source_row, a_scale=scale_R)
+    # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
+    y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=gemm, mode=PLAIN, c_row=target_row)
+    return y, ExpertRowsState(rows, source_row, target_row, scale_R, (w1, w2, w3), dtypes, h, a1, a3, offsets)
+
+
+def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: Tiles):
+    """(d_a1, d_a3 (R, H), grad w2): d h = grad_y @ w2[e] with the SwiGLU backward in the
+    epilogue, and the w2 gradient (one program per tile, the expert's rows in order)."""
+    _, up, wgrad, _ = tiles
+    _, w2, _ = state.weights
+    grad_y = grad_y.contiguous()
+    d_a1, d_a3 = grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=up,
+                              mode=SWIGLU_BWD, a_row=state.target_row, aux=(state.a1, state.a3))
+    grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=wgrad,
+                            out_dtype=state.weight_dtypes[1], a_row=state.target_row)
+    return d_a1, d_a3, grad_w2
+
+
+def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: Tiles) -> torch.Tensor:
+    """d rows = d_a1 @ w1[e] + d_a3 @ w3[e] (one accumulator), in ``y``'s layout: the
+    gradient of the (scaled) input rows."""
+    gemm = tiles[0]
+    w1, _, w3 = state.weights
+    return grouped_gemm(d_a1, w1, state.offsets, state.num_rows, transpose_w=False, tiles=gemm, mode=DUAL,
+                        a2=d_a3, w2_E=w3, c_row=state.target_row)
+
+
+def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: Tiles):
+    """(grad w1, grad w3) in the weights' dtypes, from one launch."""
+    wgrad_up = tiles[3]
+    dt1, _, dt3 = state.weight_dtypes
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], state.weights[0].shape[0], tiles=wgrad_up,
+                                     out_dtype=dt1, b_row=state.source_row, b_scale=state.scale_R, a2=d_a3)
+    return grad_w1, grad_w3.to(dt3)
 
 
 def expert_rows_backward(
-    grad_y_RD: torch.Tensor, state: ExpertRowsState, tiles: tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles],
+    grad_y: torch.Tensor, state: ExpertRowsState, tiles: Tiles,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad of the (scaled) rows (R, D), grad w1, grad w2, grad w3 in the weights' dtypes)."""
-    gemm, up, wgrad, wgrad_up = tiles
-    w1, w2, w3 = state.weights
-    dt1, dt2, dt3 = state.weight_dtypes
-    R, E = grad_y_RD.shape[0], w1.shape[0]
-    grad_y_RD = grad_y_RD.contiguous()
-    expert_offsets = state.offsets[0]
-    d_a1, d_a3 = grouped_gemm(grad_y_RD, w2, state.offsets, R, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
-                              aux=(state.a1, state.a3))
-    d_rows = grouped_gemm(d_a1, w1, state.offsets, R, transpose_w=False, tiles=gemm, mode=DUAL, a2=d_a3, w2_E=w3)
-    grad_w2 = grouped_wgrad(grad_y_RD, state.h, expert_offsets, E, tiles=wgrad, out_dtype=dt2)
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows_RD, expert_offsets, E, tiles=wgrad_up, out_dtype=dt1,
-                                     b_scale=state.scale_R, a2=d_a3)
-    return d_rows, grad_w1, grad_w2, grad_w3.to(dt3)
+    """(grad of the (scaled) rows in ``y``'s layout, grad w1, grad w2, grad w3 in the
+    weights' dtypes)."""
+    d_a1, d_a3, grad_w2 = down_backward(grad_y, state, tiles)
+    d_rows = rows_input_grad(d_a1, d_a3, state, tiles)
+    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tiles)
+    return d_rows, grad_w1, grad_w2, grad_w3

@@ -3,6 +3,9 @@
 Shape legend: T tokens, K experts per token, P = T*K rows, D model dim, H expert hidden
 dim, E experts. Rows are expert-major in the plan's order (expert, token, k).
 
+The GEMMs are ``uniep.kernels.expert_rows``' (the one launch sequence of every Triton
+path), here gathering each plan row's token from x and scattering to (token, k) order.
+
 Forward (3 launches):
   1. gate/up grouped GEMM, x rows gathered in the kernel, w1 and w3 in one pass,
      SwiGLU in the epilogue            -> h (P, H), a1, a3 (P, H) kept for backward
@@ -27,17 +30,15 @@ from __future__ import annotations
 import torch
 
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
-from uniep.kernels.grouped_gemm import (
-    DUAL,
-    PLAIN,
-    SWIGLU_BWD,
-    SWIGLU_FWD,
-    GemmTiles,
-    check_row_tiles,
-    grouped_gemm,
-    tile_offsets,
+from uniep.kernels.expert_rows import (
+    ExpertRowsState,
+    compute_weights,
+    down_backward,
+    expert_rows_forward,
+    rows_input_grad,
+    up_weight_grads,
 )
-from uniep.kernels.wgrad import grouped_wgrad
+from uniep.kernels.grouped_gemm import GemmTiles, check_row_tiles
 
 # Tile settings travel through the custom ops as a flat list of ints: for each of the
 # four tile sets (tiles, up_tiles, wgrad_tiles, wgrad_up_tiles), these fields in order.
@@ -61,24 +62,14 @@ def _fused_experts_fwd(
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, score_before: bool, tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out (T, D), h, a1, a3 (P, H), y (P, D), expert_offsets, tile_offsets (E+1,))."""
-    gemm, up, _, _ = _unpack_tiles(tiles)
     T, K = scores_TK.shape
-    P = T * K
-    w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
-    offsets = tile_offsets(rows_per_expert_E, gemm.block_m)
-    pair_of_row = send_order_P.to(torch.int32)
-    token_of_row = (send_order_P // K).to(torch.int32)
     row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
-
-    # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
-    h, a1, a3 = grouped_gemm(
-        x_TD, w1, offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-        w2_E=w3, a_row=token_of_row, a_scale=row_scale,
+    y_PD, state = expert_rows_forward(
+        x_TD, row_scale, rows_per_expert_E, w1, w2, w3, _unpack_tiles(tiles),
+        source_row=(send_order_P // K).to(torch.int32), target_row=send_order_P.to(torch.int32),
     )
-    # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
-    y_PD = grouped_gemm(h, w2, offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN, c_row=pair_of_row)
     out = topk_combine(y_PD, None if score_before else scores_TK, K)
-    return out, h, a1, a3, y_PD, *offsets
+    return out, state.h, state.a1, state.a3, y_PD, *state.offsets
 
 
 @_fused_experts_fwd.register_fake
@@ -99,35 +90,20 @@ def _fused_experts_bwd(
     expert_offsets: torch.Tensor, tile_offs: torch.Tensor, score_before: bool, tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (grad_x, grad_scores (fp32), grad_w1, grad_w2, grad_w3 (the weights' dtypes))."""
-    gemm, up, wgrad, wgrad_up = _unpack_tiles(tiles)
     T, K = scores_TK.shape
-    P = T * K
-    E = w1.shape[0]
-    dt1, dt2, dt3 = w1.dtype, w2.dtype, w3.dtype
-    w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1, w2, w3))
-    offsets = (expert_offsets, tile_offs)
-    pair_of_row = send_order_P.to(torch.int32)
-    token_of_row = (send_order_P // K).to(torch.int32)
-    row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
-    grad_out_TD = grad_out_TD.contiguous()
-
-    # grad of y in (token, k) order; grad of the scores when applied after the experts
-    grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if score_before else scores_TK, K)
-    # B[e] = w2[e] is (D, H): d h = grad_y @ w2[e], then SwiGLU backward
-    d_a1, d_a3 = grouped_gemm(
-        grad_y_PD, w2, offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
-        a_row=pair_of_row, aux=(a1, a3),
+    tile_sets = _unpack_tiles(tiles)
+    weights, dtypes = compute_weights(w1, w2, w3, x_TD.dtype)
+    state = ExpertRowsState(
+        x_TD, (send_order_P // K).to(torch.int32), send_order_P.to(torch.int32),
+        scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None,
+        weights, dtypes, h, a1, a3, (expert_offsets, tile_offs),
     )
-    # Weight gradients: one program per output tile walks its expert's rows in order,
-    # written straight from the fp32 accumulators in the parameters' dtypes. The order
-    # of the launches below keeps at most two (P, .) temporaries alive at a time.
-    grad_w2 = grouped_wgrad(grad_y_PD, h, expert_offsets, E, tiles=wgrad, out_dtype=dt2, a_row=pair_of_row)
+    # grad of y in (token, k) order; grad of the scores when applied after the experts.
+    # The launches' order keeps one (P, D) temporary alive at a time.
+    grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD, None if score_before else scores_TK, K)
+    d_a1, d_a3, grad_w2 = down_backward(grad_y_PD, state, tile_sets)
     del grad_y_PD
-    # B[e] = w1[e] is (H, D): d rows = d_a1 @ w1[e] + d_a3 @ w3[e], to (token, k) order
-    d_rows_PD = grouped_gemm(
-        d_a1, w1, offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
-        a2=d_a3, w2_E=w3, c_row=pair_of_row,
-    )
+    d_rows_PD = rows_input_grad(d_a1, d_a3, state, tile_sets)
     if score_before:
         grad_x = topk_combine(d_rows_PD, scores_TK, K)
         # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
@@ -135,11 +111,8 @@ def _fused_experts_bwd(
     else:
         grad_x = topk_combine(d_rows_PD, None, K)
     del d_rows_PD
-    grad_w1, grad_w3 = grouped_wgrad(
-        d_a1, x_TD, expert_offsets, E, tiles=wgrad_up, out_dtype=dt1,
-        b_row=token_of_row, b_scale=row_scale, a2=d_a3,
-    )
-    return grad_x, grad_scores, grad_w1, grad_w2, grad_w3.to(dt3)
+    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tile_sets)
+    return grad_x, grad_scores, grad_w1, grad_w2, grad_w3
 
 
 @_fused_experts_bwd.register_fake
