@@ -56,19 +56,26 @@ def _unpack_tiles(packed: list[int]) -> list[GemmTiles]:
             for s in sets]
 
 
+def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before: bool):
+    """(source_row: each plan row's token, target_row: its (token, k) pair, both int32;
+    its score when scores come before the experts, else None)."""
+    K = scores_TK.shape[1]
+    scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+    return (send_order_P // K).to(torch.int32), send_order_P.to(torch.int32), scale
+
+
 @torch.library.custom_op("uniep::fused_experts_fwd", mutates_args=())
 def _fused_experts_fwd(
     x_TD: torch.Tensor, scores_TK: torch.Tensor, send_order_P: torch.Tensor, rows_per_expert_E: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, score_before: bool, tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out (T, D), h, a1, a3 (P, H), y (P, D), expert_offsets, tile_offsets (E+1,))."""
-    T, K = scores_TK.shape
-    row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+    source_row, target_row, row_scale = _row_maps(send_order_P, scores_TK, score_before)
     y_PD, state = expert_rows_forward(
         x_TD, row_scale, rows_per_expert_E, w1, w2, w3, _unpack_tiles(tiles),
-        source_row=(send_order_P // K).to(torch.int32), target_row=send_order_P.to(torch.int32),
+        source_row=source_row, target_row=target_row,
     )
-    out = topk_combine(y_PD, None if score_before else scores_TK, K)
+    out = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
     return out, state.h, state.a1, state.a3, y_PD, *state.offsets
 
 
@@ -93,11 +100,8 @@ def _fused_experts_bwd(
     T, K = scores_TK.shape
     tile_sets = _unpack_tiles(tiles)
     weights, dtypes = compute_weights(w1, w2, w3, x_TD.dtype)
-    state = ExpertRowsState(
-        x_TD, (send_order_P // K).to(torch.int32), send_order_P.to(torch.int32),
-        scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None,
-        weights, dtypes, h, a1, a3, (expert_offsets, tile_offs),
-    )
+    state = ExpertRowsState(x_TD, *_row_maps(send_order_P, scores_TK, score_before), weights, dtypes, h, a1, a3,
+                            (expert_offsets, tile_offs))
     # grad of y in (token, k) order; grad of the scores when applied after the experts.
     # The launches' order keeps one (P, D) temporary alive at a time.
     grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD, None if score_before else scores_TK, K)
