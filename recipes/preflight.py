@@ -15,7 +15,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from recipes import data
 from uniep import UniEPConfig, UniEPConfigError
-from uniep.transport import ranks_per_node
+from uniep.paths import ranks_per_node, runs_triton
 
 
 class PreflightError(ValueError):
@@ -141,7 +141,7 @@ def check_backend(backend: str) -> None:
     test machines)."""
     import torch
 
-    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not runs_triton("cuda" if torch.cuda.is_available() else "cpu"):
         raise PreflightError(
             "uniep.backend = 'triton' runs on CUDA GPUs; this machine has none: use uniep.backend = 'auto' or 'torch'"
         )

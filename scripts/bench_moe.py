@@ -163,7 +163,7 @@ def cross_rank_bytes(uniep, x, ranks: int) -> tuple[int, int]:
 
 
 def megakernel_rows(uniep, x, grad, ref, flops, args) -> list[Row]:
-    from uniep import UniEPConfig
+    from uniep.testing import use_virtual_ranks
 
     def fwd_bwd(layer):
         xi = x.detach().clone().requires_grad_(True)
@@ -174,8 +174,8 @@ def megakernel_rows(uniep, x, grad, ref, flops, args) -> list[Row]:
     one_rank = fwd_bwd(uniep)
     rows = []
     for ranks in args.ep:
-        variant = copy.copy(uniep)
-        variant.config = UniEPConfig(transport="megakernel", virtual_ranks=ranks)
+        variant = copy.copy(uniep)  # shares the weights and the experts module
+        use_virtual_ranks(variant, ranks)
         same = [torch.equal(a, b) for a, b in zip(fwd_bwd(variant), one_rank)]
         if not all(same):
             raise SystemExit(f"megakernel with {ranks} virtual ranks differs from one rank (out, dx): {same}")
@@ -185,6 +185,7 @@ def megakernel_rows(uniep, x, grad, ref, flops, args) -> list[Row]:
               f"dispatch {dispatch / 2**20:.0f} MiB, combine {combine / 2**20:.0f} MiB; "
               f"{(dispatch + combine) / row.fwd_ms / 1e6:.0f} GB/s over the forward", flush=True)
         rows.append(row)
+    uniep.config = uniep.config  # its own path again (the copies shared its experts module)
     return rows
 
 

@@ -22,12 +22,15 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,8", help="virtual ranks to profile (1: the one-rank fused layer)")
     args = parser.parse_args()
     from uniep import UniEPConfig
+    from uniep.testing import use_virtual_ranks
 
     _, uniep, T, D, *_ = build_layers(args.shape)
     x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     for ranks in [1] + [int(r) for r in args.ranks.split(",")]:
-        uniep.config = UniEPConfig(backend="triton") if ranks == 1 else UniEPConfig(transport="megakernel", virtual_ranks=ranks)
+        uniep.config = UniEPConfig(backend="triton")
+        if ranks > 1:
+            use_virtual_ranks(uniep, ranks)
         for _ in range(3):
             uniep(x).backward(grad)
         torch.cuda.synchronize()

@@ -6,9 +6,9 @@ symmetric memory."""
 import torch
 
 from uniep.kernels.fused_experts import fused_experts
-from uniep.kernels.grouped_gemm import GemmTiles
+from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
+from uniep.paths.megakernel import Schedule
 from uniep.plan import local_counts
-from uniep.transport.megakernel import Schedule
 
 
 def routing(kind, W, T, K, E, gen):
@@ -43,7 +43,7 @@ TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
 
 
 def schedule(**knobs):
-    return Schedule(TILES, TILES, TILES, TILES, **{"sends_per_task": 4, "tokens_per_task": 4, "max_spins": 1000, **knobs})
+    return Schedule(ExpertTiles.uniform(TILES), **{"sends_per_task": 4, "tokens_per_task": 4, "max_spins": 1000, **knobs})
 
 
 def make_inputs(W, T, K, E, D, H, kind, gen, dtype):
@@ -74,7 +74,7 @@ def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
 
     def one_rank(x, s, w1, w2, w3):
         return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
-                             tiles=TILES, wgrad_tiles=TILES)
+                             tiles=ExpertTiles.uniform(TILES))
 
     reference = run_grads(one_rank, leaves, grad)
     El = E // W
@@ -86,7 +86,24 @@ def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
 
 
 class FakeGroup:
+    """A process group of ``world`` ranks seen from ``rank``, without torch.distributed
+    (see :func:`answer_for_fake_groups`)."""
+
     group_name = "uniep-test"
+
+    def __init__(self, world: int = 2, rank: int = 0):
+        self.world, self.rank = world, rank
+
+
+def answer_for_fake_groups(setattr=setattr):
+    """Make ``torch.distributed.get_world_size`` / ``get_rank`` answer for
+    :class:`FakeGroup` (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after
+    a test; plain ``setattr`` in a spawned process)."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size, dist.get_rank
+    setattr(dist, "get_world_size", lambda group=None: group.world if isinstance(group, FakeGroup) else size(group))
+    setattr(dist, "get_rank", lambda group=None: group.rank if isinstance(group, FakeGroup) else rank(group))
 
 
 def map_peers(index, buffers, barrier):
@@ -107,8 +124,12 @@ def map_peers(index, buffers, barrier):
 
 
 def spawn_ranks(worker, world, *args, timeout=300):
-    """Run ``worker(rank, world, shared, barrier, *args)`` in ``world`` processes:
-    ``shared`` holds one shared-memory buffer per rank, ``barrier`` is for all of them."""
+    """Run ``worker(rank, world, shared, barrier, *args)`` in ``world`` processes (the
+    one process launcher of the tests): ``shared`` holds one shared-memory buffer per
+    rank, ``barrier`` is for all of them. Fails naming the ranks that failed, and the
+    ranks still running after ``timeout`` seconds (killed)."""
+    import time
+
     import torch.multiprocessing as mp
 
     shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
@@ -117,6 +138,14 @@ def spawn_ranks(worker, world, *args, timeout=300):
     procs = [ctx.Process(target=worker, args=(r, world, shared, barrier, *args)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=timeout)
-    assert [p.exitcode for p in procs] == [0] * world
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    failed = {r: p.exitcode for r, p in enumerate(procs) if r not in hung and p.exitcode != 0}
+    assert not hung and not failed, (
+        f"ranks still running after {timeout} s (killed): {hung}; ranks failed (exit codes): {failed}"
+    )

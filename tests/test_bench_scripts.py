@@ -100,3 +100,25 @@ def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch)
     rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads"], _bench_gemm_args())
     failed = {(r["variant"], r["launch"]) for r in rows if not r["ok"]}
     assert failed == {("pointer_loads", "wgrad_up")}
+
+
+def test_bench_gemm_reports_a_variant_that_cannot_launch(monkeypatch, capsys):
+    """A variant the compiler refuses (on an H200: 16 warps, out of registers) is a
+    row marked as not run, and the other variants are still timed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_gemm
+
+    real = bench_gemm.launches
+
+    def refuses_pointer_loads(p, config):
+        fns = real(p, config)
+        if not config.descriptor_loads:
+            fns["down"] = lambda: (_ for _ in ()).throw(RuntimeError("Insufficient registers (128)"))
+        return fns
+
+    monkeypatch.setattr(bench_gemm, "launches", refuses_pointer_loads)
+    rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads"], _bench_gemm_args())
+    refused = [r for r in rows if r["checked"] == "launch"]
+    assert [(r["variant"], r["launch"], r["ok"]) for r in refused] == [("pointer_loads", "down", False)]
+    assert sum(r["ok"] for r in rows) == 2 * len(bench_gemm.LAUNCHES) - 1
+    assert "pointer_loads down: cannot launch: RuntimeError: Insufficient registers" in capsys.readouterr().out

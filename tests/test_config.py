@@ -1,6 +1,10 @@
 import pytest
 
-from uniep import UniEPConfig, UniEPConfigError
+from tests.helpers import FakeGroup, answer_for_fake_groups
+from uniep import UniEPConfig, UniEPConfigError, UniEPMoE
+from uniep.paths import build_expert_path
+from uniep.paths.torch_path import TorchPath
+from uniep.paths.triton_path import TritonAllToAllPath, TritonPath
 
 
 def test_defaults_round_trip():
@@ -42,16 +46,27 @@ def test_direct_construction_validates():
         UniEPConfig(backend="cuda")
 
 
-def test_auto_backend_picks_triton_only_on_cuda_with_one_rank(monkeypatch):
+def test_auto_backend_picks_triton_only_on_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    answer_for_fake_groups(monkeypatch.setattr)
     config = UniEPConfig()
-    assert config.resolved_backend("cuda", 1) == "triton"
-    assert config.resolved_backend("cuda", 2) == "triton"  # Triton experts over all_to_all
-    assert config.resolved_backend("cpu", 1) == "torch"
+    assert isinstance(build_expert_path(config, None, 8, False, "cuda"), TritonPath)
+    assert isinstance(build_expert_path(config, FakeGroup(2), 8, False, "cuda"), TritonAllToAllPath)
+    assert isinstance(build_expert_path(config, None, 8, False, "cpu"), TorchPath)
+    assert build_expert_path(config, FakeGroup(4), 8, False, "cpu").ep_size == 4
 
 
 def test_triton_backend_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(UniEPConfigError, match=r"backend = 'triton' runs on CUDA; got device 'cpu'"):
-        UniEPConfig(backend="triton").resolved_backend("cpu", 1)
-    assert UniEPConfig(backend="triton").resolved_backend("cuda", 4) == "triton"
+        build_expert_path(UniEPConfig(backend="triton"), None, 8, False, "cpu")
+    # at construction, from the weights' device, not at the first forward
+    with pytest.raises(UniEPConfigError, match=r"backend = 'triton' runs on CUDA; got device 'cpu'"):
+        UniEPMoE(16, 8, 8, 2, config=UniEPConfig(backend="triton"))
+    assert isinstance(build_expert_path(UniEPConfig(backend="triton"), None, 8, False, "cuda"), TritonPath)
+
+
+def test_expert_parallel_degree_must_divide_the_experts(monkeypatch):
+    answer_for_fake_groups(monkeypatch.setattr)
+    with pytest.raises(UniEPConfigError, match="expert-parallel degree 3 does not divide num_experts = 8"):
+        build_expert_path(UniEPConfig(), FakeGroup(3), 8, False, "cpu")

@@ -9,9 +9,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers import map_peers
+from tests.helpers import map_peers, spawn_ranks
 from uniep import UniEPConfig, UniEPMoE
 
 DIM, HIDDEN, E = 24, 40, 8
@@ -74,7 +73,7 @@ def compile_layer(layer, monkeypatch_like):
     return torch.compile(layer, fullgraph=True, backend="aot_eager")
 
 
-def _worker(rank, world, store_path, router, seed, skew, result_path, backend, shared, barrier, compiled=False):
+def _worker(rank, world, shared, barrier, store_path, router, seed, skew, result_path, backend, compiled):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if backend == "megakernel":
@@ -101,12 +100,10 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
         else:
             out, gx, w_grads = fwd_bwd(layer, x[mine], grad_out[mine], skew)
         if backend == "megakernel":
-            from uniep.transport import _MEGAKERNEL_TRANSPORTS
-
-            (transport,) = _MEGAKERNEL_TRANSPORTS.values()
+            path = layer.expert_path
             hierarchical = world > PROCESSES_PER_NODE
-            assert type(transport).__name__ == ("HierarchicalTransport" if hierarchical else "MegakernelTransport")
-            transport.peers.raise_pending_errors()
+            assert type(path).__name__ == ("HierarchicalPath" if hierarchical else "MegakernelPath")
+            path.peers.raise_pending_errors()
         torch.save({"out": out, "x_grad": gx, "w_grads": w_grads}, f"{result_path}.{rank}")
         dist.barrier()  # leave together: a rank tearing gloo down alone was seen to abort its peer
     finally:
@@ -115,16 +112,7 @@ def _worker(rank, world, store_path, router, seed, skew, result_path, backend, s
 
 def run_ep(world, router, seed, skew, tmp_path, backend="torch", compiled=False):
     result = str(tmp_path / f"ep{world}")
-    shared, barrier = None, None
-    if backend == "megakernel":  # the node's symmetric-memory stand-in
-        shared = [torch.zeros(1 << 24, dtype=torch.uint8).share_memory_() for _ in range(world)]
-        barrier = mp.get_context("spawn").Barrier(world)
-    mp.start_processes(
-        _worker,
-        args=(world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, shared, barrier, compiled),
-        nprocs=world,
-        start_method="spawn",
-    )
+    spawn_ranks(_worker, world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, compiled)
     parts = [torch.load(f"{result}.{r}") for r in range(world)]
     return (
         torch.cat([p["out"] for p in parts]),

@@ -1,4 +1,4 @@
-"""The hierarchical transport (inter-node all-to-all + intra-node megakernel) with one
+"""The hierarchical path (inter-node all-to-all + intra-node megakernel) with one
 process per rank: gloo between the processes, shared-memory buffers standing in for each
 node's symmetric memory, the kernels under the Triton interpreter. Outputs and every
 gradient must be bitwise those of one rank, for several node layouts and skewed routing,
@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import assert_parts_match_one_rank, make_inputs, map_peers, run_grads, schedule, spawn_ranks
-from uniep.transport.hierarchical import HierarchicalTransport, hierarchical_megakernel_experts
+from uniep.paths.hierarchical import NodeLayout, hierarchical_megakernel_experts
+from uniep.transport.peer_buffers import PeerBuffers, SymmetricAllocator
 
 T, E = 6, 8
 
@@ -21,7 +22,8 @@ def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_pat
     node = rank // per_node
     map_peers(rank % per_node, shared[node * per_node:(node + 1) * per_node], barrier)
     groups = [dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)]
-    transport = HierarchicalTransport(groups[rank // ep], per_node)
+    layout = NodeLayout(groups[rank // ep], per_node)
+    peers = PeerBuffers(SymmetricAllocator(layout.node_group))
     gen = torch.Generator().manual_seed(11)
     topk, leaves, grad = make_inputs(ep, T, K, E, 32, 16, kind, gen, torch.float32)
     me = rank % ep
@@ -30,7 +32,7 @@ def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_pat
 
     def layer(sched):
         def run(x, s, w1, w2, w3):
-            return hierarchical_megakernel_experts(x, s, topk[mine], w1, w2, w3, transport, sched,
+            return hierarchical_megakernel_experts(x, s, topk[mine], w1, w2, w3, layout, peers, sched,
                                                    score_before_experts=score_before)
         return run
 
@@ -38,7 +40,7 @@ def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_pat
     # another schedule (same tiles), on the flags and epochs the first call left behind
     other = schedule(sends_per_task=1, tokens_per_task=32, relay_dedup=False)
     again = run_grads(layer(other), inputs, grad[mine])
-    transport.peers.raise_pending_errors()
+    peers.raise_pending_errors()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     torch.save(first, f"{result_path}.{rank}")
     dist.barrier()  # leave together: a rank tearing gloo down alone was seen to abort its peer
@@ -48,7 +50,7 @@ def _worker(rank, world, shared, barrier, per_node, K, ep, init_file, result_pat
 def _silent_peer_worker(rank, world, shared, barrier, init_file, result_path):
     """Rank 1 takes part in every collective but never launches its node's kernels; its
     node peer, rank 0, must get the wait error naming the node (the other node is fine)."""
-    import uniep.transport.megakernel as megakernel
+    import uniep.paths.megakernel as megakernel
     from uniep.kernels.flags import MegakernelWaitError
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -62,17 +64,18 @@ def _silent_peer_worker(rank, world, shared, barrier, init_file, result_path):
 
         megakernel.dispatch_gemm = no_dispatch
         megakernel.gemm_combine = lambda *args, **kwargs: None
-    transport = HierarchicalTransport(dist.group.WORLD, per_node)
+    layout = NodeLayout(dist.group.WORLD, per_node)
+    peers = PeerBuffers(SymmetricAllocator(layout.node_group))
     gen = torch.Generator().manual_seed(11)
     topk, leaves, _ = make_inputs(world, T, K, E, 32, 16, "random", gen, torch.float32)
     mine, El = slice(rank * T, (rank + 1) * T), E // world
     weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
     sched = schedule(max_spins=200 if rank == 0 else 1 << 22)
     with torch.no_grad():
-        hierarchical_megakernel_experts(leaves[0][mine], leaves[1][mine], topk[mine], *weights, transport, sched,
+        hierarchical_megakernel_experts(leaves[0][mine], leaves[1][mine], topk[mine], *weights, layout, peers, sched,
                                         score_before_experts=False)
     try:
-        transport.peers.raise_pending_errors()
+        peers.raise_pending_errors()
     except MegakernelWaitError as e:
         torch.save(str(e), f"{result_path}.{rank}")
     dist.destroy_process_group()
@@ -104,6 +107,6 @@ def test_hierarchical_ranks_match_one_rank(W, per_node, K, ep, kind, score_befor
 
 def test_layout_errors():
     with pytest.raises(ValueError, match="expert-parallel degree 6 is not a multiple of the 4 processes per node"):
-        HierarchicalTransport.check_layout(6, 4, list(range(6)))
+        NodeLayout.check_layout(6, 4, list(range(6)))
     with pytest.raises(ValueError, match="should share a node"):
-        HierarchicalTransport.check_layout(4, 2, [1, 2, 3, 4])
+        NodeLayout.check_layout(4, 2, [1, 2, 3, 4])

@@ -1,4 +1,4 @@
-"""The megakernel transport under the Triton interpreter, with virtual ranks on the CPU:
+"""The megakernel path under the Triton interpreter, with virtual ranks on the CPU:
 its send lists against a brute-force construction, bitwise equality with the one-rank
 fused path (outputs and every gradient) for several EP degrees and schedules, and a
 peer that never signals giving an error instead of a hang."""
@@ -11,6 +11,7 @@ import torch
 from tests.helpers import (
     TILES,
     FakeGroup,
+    answer_for_fake_groups,
     assert_parts_match_one_rank,
     brute_force_rows,
     make_inputs,
@@ -25,15 +26,14 @@ from uniep.kernels.dispatch_gemm import dispatch_gemm
 from uniep.kernels.flags import MegakernelWaitError
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.gemm_combine import gemm_combine
-from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, GemmTiles
+from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, ExpertTiles, GemmTiles
+from uniep.paths import build_expert_path
+from uniep.paths.megakernel import MegakernelPath, Schedule, megakernel_experts
+from uniep.paths.torch_path import TorchPath
 from uniep.plan import local_counts
-from uniep.transport.megakernel import (
-    PeerBuffers,
-    Schedule,
-    build_sends,
-    megakernel_experts,
-    owner_rows,
-)
+from uniep.testing import use_virtual_ranks
+from uniep.transport.peer_buffers import DeviceAllocator, PeerBuffers, SymmetricAllocator
+from uniep.transport.sends import build_sends, owner_rows
 
 
 @pytest.mark.parametrize("kind, W, T, K, E", [("random", 2, 9, 3, 8), ("random", 4, 6, 4, 8), ("one_rank", 4, 5, 2, 8)])
@@ -80,10 +80,10 @@ def test_virtual_ranks_bitwise_equal_to_one_rank(W, T, K, E, D, H, kind, dtype, 
 
     def one_rank(x, s, w1, w2, w3):
         return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
-                             tiles=TILES, wgrad_tiles=TILES)
+                             tiles=ExpertTiles.uniform(TILES))
 
     def megakernel(x, s, w1, w2, w3):
-        return megakernel_experts(x, s, topk, [T] * W, table, w1, w2, w3, PeerBuffers.virtual(W), schedule(),
+        return megakernel_experts(x, s, topk, [T] * W, table, w1, w2, w3, PeerBuffers(DeviceAllocator(W)), schedule(),
                                   score_before_experts=score_before)
 
     reference = run_grads(one_rank, leaves, grad)
@@ -99,7 +99,7 @@ def test_layers_sharing_virtual_buffers_backward_after_all_forwards():
     the last forward's: a MegakernelWaitError on an H200)."""
     W, T, K, E, D, H = 2, 7, 3, 8, 32, 16
     gen = torch.Generator().manual_seed(11)
-    peers = PeerBuffers.virtual(W)
+    peers = PeerBuffers(DeviceAllocator(W))
     layers = [make_inputs(W, T, K, E, D, H, kind, gen, torch.float32) for kind in ("random", "one_rank")]
     references, outs, leaves_of = [], [], []
     for topk, leaves, grad in layers:
@@ -108,7 +108,7 @@ def test_layers_sharing_virtual_buffers_backward_after_all_forwards():
         references.append(run_grads(
             lambda x, s, w1, w2, w3, topk=topk, order=order: fused_experts(
                 x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=False,
-                tiles=TILES, wgrad_tiles=TILES), leaves, grad))
+                tiles=ExpertTiles.uniform(TILES)), leaves, grad))
         leaves = [t.clone().requires_grad_(True) for t in leaves]
         outs.append(megakernel_experts(leaves[0], leaves[1], topk, [T] * W, table, *leaves[2:], peers,
                                        schedule(), score_before_experts=False))
@@ -127,7 +127,7 @@ def test_schedule_knobs_do_not_change_bits():
     gen = torch.Generator().manual_seed(3)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, "random", gen, torch.float32)
     table = torch.stack([local_counts(t, E) for t in topk.split(T)])
-    peers = PeerBuffers.virtual(W)  # one buffer set reused across calls, as in training
+    peers = PeerBuffers(DeviceAllocator(W))  # one buffer set reused across calls, as in training
 
     def with_schedule(sched):
         def fn(x, s, w1, w2, w3):
@@ -140,7 +140,7 @@ def test_schedule_knobs_do_not_change_bits():
         again = with_schedule(schedule(**knobs))
         assert all(torch.equal(a, b) for a, b in zip(first, again)), knobs
     tiles = GemmTiles(16, 16, 16, num_programs=1)
-    again = with_schedule(Schedule(tiles, tiles, tiles, tiles, 8, 8, 1000))
+    again = with_schedule(Schedule(ExpertTiles.uniform(tiles), 8, 8, 1000))
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -154,16 +154,18 @@ def test_layer_with_virtual_ranks_matches_one_rank():
     layer.init_weights(0.02)
     x, grad = torch.randn(2, 9, 32), torch.randn(2, 9, 32)
 
-    def run(config):
+    def run(config, virtual_ranks=1):
         copy_ = copy.deepcopy(layer)
         copy_.config = config
+        if virtual_ranks > 1:
+            use_virtual_ranks(copy_, virtual_ranks)
         xi = x.clone().requires_grad_(True)
         copy_(xi).backward(grad)
         return [xi.grad] + [p.grad for _, p in sorted(copy_.named_parameters())]
 
     reference = run(UniEPConfig(backend="triton", **tiles))
     for ranks in (2, 4):
-        got = run(UniEPConfig(transport="megakernel", virtual_ranks=ranks, megakernel_sends_per_task=2, **tiles))
+        got = run(UniEPConfig(backend="triton", megakernel_sends_per_task=2, **tiles), ranks)
         assert all(torch.equal(a, b) for a, b in zip(got, reference)), ranks
 
 
@@ -172,7 +174,7 @@ def silent_peer_setup(W=2, T=4, K=2, E=4, D=16, H=16):
     gen = torch.Generator().manual_seed(0)
     topk, (x, scores, w1, w2, w3), _ = make_inputs(W, T, K, E, D, H, "random", gen, torch.float32)
     table = torch.stack([local_counts(t, E) for t in topk.split(T)])
-    peers = PeerBuffers.virtual(W)
+    peers = PeerBuffers(DeviceAllocator(W))
     per_owner = table.view(W, W, E // W).sum((0, 2)).tolist()
     peers.prepare(T, K, per_owner, D, x.dtype, x.device)
     sends = build_sends(topk, scores, [T] * W, table, 0, peers.tokens_cap)
@@ -206,28 +208,36 @@ def test_owner_that_never_returns_gives_an_error_not_a_hang():
         peers.raise_pending_errors()
 
 
-def test_megakernel_config_errors(monkeypatch):
-    with pytest.raises(UniEPConfigError, match="virtual_ranks = 2 needs transport = 'megakernel'"):
-        UniEPConfig(virtual_ranks=2)
+def test_megakernel_config_errors_when_the_path_is_built(monkeypatch):
+    answer_for_fake_groups(monkeypatch.setattr)
+    group = FakeGroup(2)
     with pytest.raises(UniEPConfigError, match="megakernel_sends_per_task = 3"):
         UniEPConfig(transport="megakernel", megakernel_sends_per_task=3)
     with pytest.raises(UniEPConfigError, match="megakernel_max_spins = 0"):
         UniEPConfig(megakernel_max_spins=0)
+    megakernel = UniEPConfig(transport="megakernel")
     with monkeypatch.context() as outside_the_interpreter:
         outside_the_interpreter.delenv("TRITON_INTERPRET", raising=False)
-        with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs; got device"):
-            UniEPConfig(transport="megakernel").resolved_backend("cpu", 2)
-    assert UniEPConfig(transport="megakernel").resolved_backend("cpu", 1) in ("torch", "triton")
-    assert UniEPConfig(transport="megakernel", backend="torch").resolved_backend("cpu", 2) == "torch"
-    layer = UniEPMoE(16, 8, 6, 2, config=UniEPConfig(transport="megakernel", virtual_ranks=4))
-    with pytest.raises(ValueError, match="num_experts = 6 is not divisible by the expert-parallel degree 4"):
-        layer(torch.randn(1, 4, 16))
+        with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs; got device 'cpu'"):
+            build_expert_path(megakernel, group, 8, False, "cpu")
+        # a layer says so when it joins the group, not at its first forward, and keeps its path
+        layer = UniEPMoE(16, 8, 8, 2, config=megakernel)
+        with pytest.raises(UniEPConfigError, match="runs on CUDA GPUs"):
+            layer.ep_group = group
+        assert layer.ep_group is None and layer.expert_path.ep_size == 1
+    assert isinstance(build_expert_path(megakernel, group, 8, False, "cpu"), MegakernelPath)  # interpreted
+    assert isinstance(build_expert_path(UniEPConfig(transport="megakernel", backend="torch"), group, 8, False, "cpu"),
+                      TorchPath)
+    assert not isinstance(build_expert_path(megakernel, None, 8, False, "cpu"), MegakernelPath)  # EP 1
+    with pytest.raises(ValueError, match="virtual ranks = 4 does not divide num_experts = 6"):
+        use_virtual_ranks(UniEPMoE(16, 8, 6, 2), 4)
 
 
 def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, kind):
     """One rank of a real (non-virtual) launch; with kind "silent", rank 1 sets up its
     buffers and never launches, and rank 0 saves the error it gets."""
     map_peers(rank, shared, barrier)
+    answer_for_fake_groups()
     W, T, K, E = world, 7, 2, 8
     gen = torch.Generator().manual_seed(11)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
@@ -235,7 +245,7 @@ def _real_rank_worker(rank, world, shared, barrier, result_path, score_before, k
     mine, El = slice(rank * T, (rank + 1) * T), E // W
     x, scores = leaves[0][mine], leaves[1][mine]
     weights = [w[rank * El:(rank + 1) * El] for w in leaves[2:]]
-    peers = PeerBuffers(W, rank, 1, FakeGroup())
+    peers = PeerBuffers(SymmetricAllocator(FakeGroup(W, rank)))
     silent = kind == "silent"
     if silent and rank == 1:
         peers.prepare(T, K, table.view(W, W, El).sum((0, 2)).tolist(), x.shape[1], x.dtype, x.device)

@@ -8,7 +8,6 @@ field, the value given and the values allowed.
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
@@ -46,7 +45,7 @@ class UniEPConfig:
     backend. ``megakernel``: dispatch, expert MLP and combine in two fused Triton
     launches over symmetric-memory peer buffers (CUDA GPUs); a group of several nodes
     joins them with an inter-node all-to-all (hierarchical). Both give the same bits.
-    Ignored when the expert-parallel degree is 1 (unless ``virtual_ranks``)."""
+    Ignored when the expert-parallel degree is 1."""
 
     gemm_block_m: int = 128
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
@@ -93,11 +92,6 @@ class UniEPConfig:
     """Megakernel: polls of a ready flag before the wait gives up and the layer raises
     an error naming the rank, stage and flag (a peer that never signals; about 10 s
     on an H200). At least 1."""
-    virtual_ranks: int = 1
-    """Megakernel with expert-parallel degree 1: run the W-rank protocol with this many
-    virtual ranks on one device (the batch split in rank order); for testing and
-    benchmarks. Same bits as 1. 1..64."""
-
     num_programs: int = 0
     """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
     Does not change bits."""
@@ -127,12 +121,6 @@ class UniEPConfig:
                 raise UniEPConfigError(f"{name} = {value} is not allowed; allowed values: powers of 2 in 1..256")
         if self.megakernel_max_spins < 1:
             raise UniEPConfigError(f"megakernel_max_spins = {self.megakernel_max_spins} must be >= 1")
-        if not 1 <= self.virtual_ranks <= 64:
-            raise UniEPConfigError(f"virtual_ranks = {self.virtual_ranks} is not allowed; allowed values: 1..64")
-        if self.virtual_ranks > 1 and self.transport != "megakernel":
-            raise UniEPConfigError(
-                f"virtual_ranks = {self.virtual_ranks} needs transport = 'megakernel' (got {self.transport!r})"
-            )
         if self.num_programs < 0:
             raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 
@@ -155,28 +143,6 @@ class UniEPConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def resolved_backend(self, device_type: str, ep_size: int) -> str:
-        """The compute path used on ``device_type`` ("cpu", "cuda", ...) at an
-        expert-parallel degree of ``ep_size``: "torch", "triton" or "megakernel"."""
-        if self.transport == "megakernel" and (ep_size > 1 or self.virtual_ranks > 1) and self.backend != "torch":
-            # the Triton interpreter runs it on the CPU (tests); real use needs CUDA
-            interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-            if device_type != "cuda" and not interpreted:
-                raise UniEPConfigError(
-                    f"transport = 'megakernel' runs on CUDA GPUs; got device {device_type!r} "
-                    "(use transport = 'all_to_all', or backend = 'torch')"
-                )
-            return "megakernel"
-        if self.backend == "auto":
-            return "triton" if device_type == "cuda" else "torch"
-        # the Triton interpreter runs the kernels on the CPU (tests)
-        on_triton_device = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if self.backend == "triton" and not on_triton_device:
-            raise UniEPConfigError(
-                f"backend = 'triton' runs on CUDA; got device {device_type!r} (use 'auto' or 'torch')"
-            )
-        return self.backend
 
 
 def _check_value(name: str, value: Any, hint: Any) -> None:

@@ -21,14 +21,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
-from uniep.expert_path import ExpertPath
 from uniep.experts import FeedForward, GroupedExperts, Routing
+from uniep.paths import ExpertPath, build_expert_path
 from uniep.plan import local_counts
-from uniep.routed_op import register_path
+from uniep.routed_op import register_path, registered_path
 from uniep.router import TopKRouter
 
-# (config, EP group, experts, score_before_experts) -> the id of their expert path: one
-# path (and one compiled graph) for all the layers of a model.
+# (config, EP group, experts, score_before_experts, device type) -> the id of their
+# expert path: one path (its buffers, and one compiled graph) for all the layers of a model.
 _PATH_IDS: dict[tuple, int] = {}
 
 # Router settings read from a TorchTitan MoE by name (duck typing: no torchtitan import).
@@ -65,7 +65,6 @@ class UniEPMoE(nn.Module):
         super().__init__()
         if load_balance_coeff is not None and load_balance_coeff <= 0:
             raise ValueError(f"load_balance_coeff = {load_balance_coeff} must be > 0 or None")
-        self._config = config or UniEPConfig()
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.router = TopKRouter(
             dim,
@@ -91,18 +90,17 @@ class UniEPMoE(nn.Module):
         else:
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-        self._ep_group: dist.ProcessGroup | None = None
-        self._update_path()
+        self._use_path(config or UniEPConfig(), None)
 
-    # The expert path is chosen from these; setting one picks the path again.
+    # The expert path is chosen from these and the weights' device; setting one, or
+    # moving the layer, picks the path again.
     @property
     def config(self) -> UniEPConfig:
         return self._config
 
     @config.setter
     def config(self, config: UniEPConfig) -> None:
-        self._config = config
-        self._update_path()
+        self._use_path(config, self._ep_group)
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -110,14 +108,42 @@ class UniEPMoE(nn.Module):
 
     @ep_group.setter
     def ep_group(self, group: dist.ProcessGroup | None) -> None:
-        self._ep_group = group
-        self._update_path()
+        self._use_path(self._config, group)
 
-    def _update_path(self) -> None:
-        key = (self._config, self._ep_group, self.num_experts, self.score_before_experts)
+    @property
+    def expert_path(self) -> ExpertPath:
+        """The path the routed experts run on."""
+        return registered_path(self.experts.path_id)
+
+    def install_path(self, path: ExpertPath) -> None:
+        """Run the routed experts on ``path`` (e.g. ``uniep.testing``'s virtual ranks)
+        until ``config`` or ``ep_group`` is set again."""
+        self.experts.path_id = register_path(path)
+        self._installed = True
+
+    def _use_path(self, config: UniEPConfig, group: dist.ProcessGroup | None) -> None:
+        """Route through the path of ``config`` over ``group``; on an error (a config
+        the device cannot run) the layer keeps its settings and path."""
+        key = (config, group, self.num_experts, self.score_before_experts, self._device_type())
         if key not in _PATH_IDS:
-            _PATH_IDS[key] = register_path(ExpertPath(*key))
+            _PATH_IDS[key] = register_path(build_expert_path(*key))
         self.experts.path_id = _PATH_IDS[key]
+        self._config, self._ep_group, self._installed = config, group, False
+
+    def _device_type(self) -> str:
+        """Where the routed experts will run: their weights' device; for weights not
+        yet materialized (meta), the GPU when there is one."""
+        device = self.experts.w1.device.type
+        if device == "meta":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return device
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), to_empty(): the weights may have moved to another kind of device
+        module = super()._apply(fn, *args, **kwargs)
+        if not self._installed:
+            self._use_path(self._config, self._ep_group)
+        return module
 
     @property
     def num_experts(self) -> int:
@@ -152,19 +178,20 @@ class UniEPMoE(nn.Module):
         w1 = moe.experts.w1
         num_experts, hidden_dim, dim = w1.shape
         shared = moe.shared_experts
-        layer = cls(
-            dim,
-            hidden_dim,
-            num_experts,
-            moe.router.top_k,
-            num_shared_experts=0 if shared is None else shared.w1.weight.shape[0] // hidden_dim,
-            gate_bias=moe.router.gate.bias is not None,
-            score_before_experts=moe.score_before_experts,
-            load_balance_coeff=moe.load_balance_coeff,
-            force_load_balance=getattr(moe.router, "_debug_force_load_balance", False),
-            config=config,
-            **{name: getattr(moe.router, name) for name in _ROUTER_ATTRS[1:]},
-        )
+        with torch.device("meta"):  # every tensor is replaced below: allocate none
+            layer = cls(
+                dim,
+                hidden_dim,
+                num_experts,
+                moe.router.top_k,
+                num_shared_experts=0 if shared is None else shared.w1.weight.shape[0] // hidden_dim,
+                gate_bias=moe.router.gate.bias is not None,
+                score_before_experts=moe.score_before_experts,
+                load_balance_coeff=moe.load_balance_coeff,
+                force_load_balance=getattr(moe.router, "_debug_force_load_balance", False),
+                config=config,
+                **{name: getattr(moe.router, name) for name in _ROUTER_ATTRS[1:]},
+            )
         # Share the module objects themselves: same parameters, same names.
         layer.router.gate = moe.router.gate
         if shared is not None:
@@ -176,6 +203,8 @@ class UniEPMoE(nn.Module):
                 setattr(layer, name, getattr(moe, name))
         if ep_group is not None:
             layer.keep_local_experts(ep_group)
+        else:
+            layer._use_path(layer.config, None)  # for the device of the weights taken over
         return layer
 
     def keep_local_experts(self, ep_group: dist.ProcessGroup) -> None:

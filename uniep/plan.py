@@ -67,6 +67,30 @@ def exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(x, dim=dim) - x
 
 
+def algorithm1_rows(topk_TK: torch.Tensor, count_table_WE: torch.Tensor, rank0: int,
+                    order: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, K) int64: each pair's row on its owner (Algorithm 1) for the consecutive
+    senders ``rank0, rank0 + 1, ...`` whose routings are concatenated in ``topk_TK``
+    (one sender: a rank's plan). ``order``: the pairs stably sorted by expert, if known."""
+    T, K = topk_TK.shape
+    W, E = count_table_WE.shape
+    El = E // W
+    device = topk_TK.device
+    # The senders are consecutive ranks, so a stable sort by expert orders each
+    # expert's pairs by (sender, token, k).
+    table = count_table_WE.to(device=device, dtype=torch.int64)
+    flat = topk_TK.reshape(-1)
+    if order is None:
+        order = torch.argsort(flat, stable=True)
+    launch_counts_E = torch.bincount(flat, minlength=E)
+    place_in_expert = torch.empty_like(order)
+    place_in_expert[order] = torch.arange(flat.numel(), device=device) - exclusive_cumsum(launch_counts_E)[flat[order]]
+    # base(e): rows of the owner's lower experts, summed over all senders
+    base_E = exclusive_cumsum(table.sum(0).view(W, El), 1).reshape(-1)
+    lower_senders_E = table[:rank0].sum(0)
+    return (base_E[flat] + lower_senders_E[flat] + place_in_expert).view(T, K)
+
+
 def build_plan(
     topk_idx_TK: torch.Tensor,
     num_experts: int,
@@ -94,14 +118,9 @@ def build_plan(
     send_order_inverse[send_order] = torch.arange(send_order.numel(), device=device)
 
     counts_E = count_table_WE[ep_rank]
-    # base(e): rows of the owner's lower local experts, summed over all sources.
+    dest_rows = algorithm1_rows(topk_idx_TK, count_table_WE, ep_rank, send_order).reshape(-1)[send_order]
     base_E = exclusive_cumsum(count_table_WE.sum(0).view(W, El), dim=1).reshape(-1)
     src_prefix_WE = exclusive_cumsum(count_table_WE, dim=0)
-    sorted_experts = flat_P[send_order]
-    rank_in_segment = torch.arange(flat_P.numel(), device=device) - exclusive_cumsum(counts_E, 0)[
-        sorted_experts
-    ]
-    dest_rows = base_E[sorted_experts] + src_prefix_WE[ep_rank][sorted_experts] + rank_in_segment
 
     mine = slice(ep_rank * El, (ep_rank + 1) * El)
     seg_counts = count_table_WE[:, mine].reshape(-1)  # source-major, then local expert

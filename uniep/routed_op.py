@@ -37,6 +37,11 @@ def register_path(path: Callable) -> int:
     return len(_PATHS) - 1
 
 
+def registered_path(path: int) -> Callable:
+    """The path registered under id ``path``."""
+    return _PATHS[path]
+
+
 def pending_calls() -> int:
     """Forward calls whose backward has not run yet (and whose handle is alive)."""
     return len(_PENDING)

@@ -1,6 +1,6 @@
 """Row movement with deterministic backward passes (the plain-PyTorch path).
 
-Shape legend: T tokens, K experts per token, P = T*K pairs, D model dim.
+Shape legend: T tokens, K experts per token, P = T*K pairs, M rows (any count), D model dim.
 
 Nothing here accumulates with atomics or scatter-add: a permutation's backward is the
 inverse permutation, and a token's K contributions are summed in fp32 in the fixed
@@ -26,19 +26,19 @@ def sum_topk_fp32(rows_TKD: torch.Tensor, weights_TK: torch.Tensor | None = None
 
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, index_N, inverse_N):
-        ctx.save_for_backward(inverse_N)
-        return x_ND.index_select(0, index_N)
+    def forward(ctx, x_MD, index_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MD.index_select(0, index_M)
 
     @staticmethod
-    def backward(ctx, grad_ND):
-        (inverse_N,) = ctx.saved_tensors
-        return grad_ND.index_select(0, inverse_N), None, None
+    def backward(ctx, grad_MD):
+        (inverse_M,) = ctx.saved_tensors
+        return grad_MD.index_select(0, inverse_M), None, None
 
 
-def permute_rows(x_ND: torch.Tensor, index_N: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+def permute_rows(x_MD: torch.Tensor, index_M: torch.Tensor, inverse_M: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``."""
-    return _PermuteRows.apply(x_ND, index_N, inverse_N)
+    return _PermuteRows.apply(x_MD, index_M, inverse_M)
 
 
 class _ReplicateTopK(torch.autograd.Function):

@@ -34,3 +34,16 @@ def test_weight_gradient_only():
     full = topk_combine_bwd(grad, rows, weights, 3)
     grad_rows, grad_w = topk_combine_bwd(grad, rows, weights, 3, write_rows=False)
     assert grad_rows is None and torch.equal(grad_w, full[1])
+
+
+def test_backward_rows_in_another_order():
+    """``row_of_pair``: pair p's gradient row lands at row row_of_pair[p], the same bits;
+    the weights' gradient does not change."""
+    gen = torch.Generator().manual_seed(4)
+    T, K, D = 5, 3, 24
+    rows, weights, grad = torch.randn(T * K, D, generator=gen), torch.rand(T, K, generator=gen), torch.randn(T, D, generator=gen)
+    row_of_pair = torch.randperm(T * K, generator=gen)
+    plain_rows, plain_w = topk_combine_bwd(grad, rows, weights, K)
+    moved_rows, moved_w = topk_combine_bwd(grad, rows, weights, K, row_of_pair=row_of_pair)
+    assert torch.equal(moved_rows[row_of_pair], plain_rows) and torch.equal(moved_w, plain_w)
+    assert not torch.equal(moved_rows, plain_rows)  # the order did change

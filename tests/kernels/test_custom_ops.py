@@ -5,8 +5,8 @@ import torch
 import torch.utils.checkpoint
 
 from tests.kernels.routing import make_routing
-from uniep.kernels.fused_experts import _fused_experts_fwd, _pack_tiles, fused_experts
-from uniep.kernels.grouped_gemm import GemmTiles
+from uniep.kernels.fused_experts import _fused_experts_fwd, fused_experts
+from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
 
 TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=2)
 T, K, E, D, H = 9, 2, 4, 32, 16
@@ -26,7 +26,7 @@ def inputs(seed=0):
 
 
 def layer(x, scores, order, counts, w1, w2, w3):
-    return fused_experts(x, scores, order, counts, w1, w2, w3, score_before_experts=False, tiles=TILES, wgrad_tiles=TILES)
+    return fused_experts(x, scores, order, counts, w1, w2, w3, score_before_experts=False, tiles=ExpertTiles.uniform(TILES))
 
 
 def grads_of(fn, x, scores, order, counts, w, grad):
@@ -40,7 +40,7 @@ def grads_of(fn, x, scores, order, counts, w, grad):
 
 def test_opcheck():
     x, scores, order, counts, w = inputs()
-    args = (x, scores, order, counts, *w, False, _pack_tiles(TILES, TILES, TILES, TILES))
+    args = (x, scores, order, counts, *w, False, ExpertTiles.uniform(TILES).packed())
     torch.library.opcheck(_fused_experts_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

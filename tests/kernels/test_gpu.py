@@ -91,6 +91,7 @@ def test_megakernel_virtual_ranks_bitwise_equal_to_one_rank(ranks, score_before)
     """The megakernel with W virtual ranks (pushes, flags, remote epilogues on one GPU)
     gives the sequential one-rank layer's bits, for several schedules."""
     from uniep import UniEPConfig
+    from uniep.testing import use_virtual_ranks
 
     _, uniep = build(num_experts=32, top_k=8, score_before=score_before)
     x = torch.randn(2, 1531, 256, device="cuda", dtype=torch.bfloat16)
@@ -99,14 +100,15 @@ def test_megakernel_virtual_ranks_bitwise_equal_to_one_rank(ranks, score_before)
     schedules = [dict(), dict(num_programs=5, megakernel_sends_per_task=1, megakernel_tokens_per_task=128),
                  dict(num_programs=700, megakernel_sends_per_task=64, gemm_num_warps=4)]
     for knobs in schedules:
-        uniep.config = UniEPConfig(transport="megakernel", virtual_ranks=ranks, **knobs)
+        path = use_virtual_ranks(uniep, ranks, UniEPConfig(**knobs))
         got = fwd_bwd(uniep, x, grad)
+        path.peers.raise_pending_errors()
         assert all(torch.equal(a, b) for a, b in zip(got, reference)), knobs
 
 
 def test_megakernel_skewed_routing_no_deadlock():
     """Every token on the experts of virtual rank 0: correct, and no wait times out."""
-    from uniep import UniEPConfig
+    from uniep.testing import use_virtual_ranks
 
     _, uniep = build(num_experts=16, top_k=4)
     with torch.no_grad():
@@ -114,8 +116,9 @@ def test_megakernel_skewed_routing_no_deadlock():
     x = torch.randn(1, 2049, 256, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     reference = fwd_bwd(uniep, x, grad)
-    uniep.config = UniEPConfig(transport="megakernel", virtual_ranks=4)
+    path = use_virtual_ranks(uniep, 4)
     assert all(torch.equal(a, b) for a, b in zip(fwd_bwd(uniep, x, grad), reference))
+    path.peers.raise_pending_errors()
 
 
 def test_float32_runs_at_the_default_tiles():
@@ -146,6 +149,23 @@ def test_compiled_layer_matches_eager():
         assert rel_err(c, e) < 1e-2
 
 
+def test_compiled_layer_on_virtual_ranks_matches_eager():
+    """The megakernel path under ``torch.compile(fullgraph=True)`` (4 virtual ranks): it
+    runs, no wait gives up, and it agrees with the eager one-rank layer (the compiled
+    router rounds differently)."""
+    from uniep.testing import use_virtual_ranks
+
+    _, uniep = build(num_experts=16, top_k=4)
+    x = torch.randn(2, 700, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    eager = fwd_bwd(uniep, x, grad)
+    path = use_virtual_ranks(uniep, 4)
+    compiled = fwd_bwd(torch.compile(uniep, fullgraph=True), x, grad)
+    path.peers.raise_pending_errors()
+    for c, e in zip(compiled, eager):
+        assert rel_err(c, e) < 1e-2
+
+
 def _symmetric_worker(rank, world, per_node, init_file, results):
     try:
         results.put((rank, _symmetric_run(rank, world, per_node, init_file)))
@@ -159,7 +179,6 @@ def _symmetric_run(rank, world, per_node, init_file):
     import torch.distributed as dist
 
     from uniep import UniEPConfig
-    from uniep.transport import build_transport
 
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # "nodes" of per_node GPUs: hierarchical when < world
     torch.cuda.set_device(rank)
@@ -173,11 +192,11 @@ def _symmetric_run(rank, world, per_node, init_file):
     uniep.config = UniEPConfig(transport="megakernel")
     uniep.keep_local_experts(dist.group.WORLD)
     got = fwd_bwd(uniep, x_all[:, mine].contiguous(), grad_all[:, mine].contiguous())
-    transport = build_transport("megakernel", dist.group.WORLD)
-    transport.peers.raise_pending_errors()
+    path = uniep.expert_path
+    path.peers.raise_pending_errors()
     El = 16 // world
-    expected_kind = "HierarchicalTransport" if per_node < world else "MegakernelTransport"
-    same = {"transport": type(transport).__name__ == expected_kind,
+    expected_kind = "HierarchicalPath" if per_node < world else "MegakernelPath"
+    same = {"path": type(path).__name__ == expected_kind,
             "out": torch.equal(got[0], reference[0][:, mine]), "grad x": torch.equal(got[1], reference[1][:, mine])}
     for i, (name, _) in enumerate(sorted(uniep.named_parameters())):
         if name.startswith("experts."):
@@ -227,9 +246,10 @@ def _silent_peer_run(rank, world, init_file):
     import torch.distributed as dist
 
     from uniep.kernels.flags import MegakernelWaitError
-    from uniep.kernels.grouped_gemm import GemmTiles
+    from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
+    from uniep.paths.megakernel import Schedule, megakernel_experts
     from uniep.plan import local_counts
-    from uniep.transport.megakernel import PeerBuffers, Schedule, megakernel_experts
+    from uniep.transport.peer_buffers import PeerBuffers, SymmetricAllocator
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -238,7 +258,7 @@ def _silent_peer_run(rank, world, init_file):
     gen = torch.Generator().manual_seed(0)
     topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(world * T)]).cuda()
     table = torch.stack([local_counts(t, E) for t in topk.split(T)])
-    peers = PeerBuffers.symmetric(dist.group.WORLD)
+    peers = PeerBuffers(SymmetricAllocator(dist.group.WORLD))
     outcome = {"rank": rank}
     if rank == 1:
         peers.prepare(T, K, table.view(world, world, El).sum((0, 2)).tolist(), D, torch.bfloat16, torch.device("cuda"))
@@ -246,8 +266,7 @@ def _silent_peer_run(rank, world, init_file):
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         w1, w3 = (torch.randn(El, H, D, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2))
         w2 = torch.randn(El, D, H, device="cuda", dtype=torch.bfloat16) * 0.05
-        tiles = GemmTiles()
-        schedule = Schedule(tiles, tiles, tiles, tiles, 16, 16, 1 << 16, True)
+        schedule = Schedule(ExpertTiles.uniform(GemmTiles()), 16, 16, 1 << 16, True)
         start = time.monotonic()
         megakernel_experts(x, torch.rand(T, K, device="cuda"), topk[:T], [T], table, w1, w2, w3, peers, schedule,
                            score_before_experts=False)

@@ -69,9 +69,20 @@ def test_tiles_too_tall_for_any_fit_name_the_fix(monkeypatch):
 
 
 def test_gate_up_tiles_must_share_the_row_tiles():
-    from uniep.transport.megakernel import Schedule
+    from uniep.kernels.grouped_gemm import ExpertTiles
 
     tiles, up = GemmTiles(128, 128, 64), GemmTiles(64, 128, 64)
-    with pytest.raises(ValueError, match="megakernel: the gate/up tiles' block_m = 64 must equal the GEMM tiles' block_m = 128"):
-        Schedule(tiles, up, tiles, tiles)
-    Schedule(tiles, GemmTiles(128, 64, 32), tiles, tiles)  # another width is fine
+    with pytest.raises(ValueError, match="the gate/up tiles' block_m = 64 must equal the GEMM tiles' block_m = 128"):
+        ExpertTiles(tiles, up, tiles, tiles)
+    ExpertTiles(tiles, GemmTiles(128, 64, 32), tiles, tiles)  # another width is fine
+
+
+def test_expert_tiles_round_trip_through_the_custom_op_ints():
+    from uniep import UniEPConfig
+    from uniep.kernels.grouped_gemm import ExpertTiles
+
+    tiles = ExpertTiles.from_config(UniEPConfig(gemm_up_block_n=64, wgrad_block_k=32, num_programs=7,
+                                                descriptor_loads=False))
+    assert (tiles.up.block_n, tiles.gemm.block_n, tiles.wgrad.block_k, tiles.gemm.num_programs) == (64, 256, 32, 7)
+    assert ExpertTiles.unpacked(tiles.packed()) == tiles
+    assert ExpertTiles.unpacked(ExpertTiles.from_config(UniEPConfig()).packed()) != tiles

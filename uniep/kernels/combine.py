@@ -9,6 +9,9 @@ backward, for an upstream gradient g (T, D):
 
     grad_rows[t*K + k] = w[t, k] * g[t]      grad_w[t, k] = <g[t], rows[t*K + k]>  (fp32)
 
+(``grad_rows`` optionally written in another row order, e.g. the plan's, so the GEMMs
+that read it next load contiguous rows.)
+
 No atomics: every output element is written by exactly one program.
 Grid: (T, cdiv(D, BLOCK_D)) for the forward, (T,) for the backward.
 """
@@ -46,14 +49,20 @@ def _topk_combine_bwd_kernel(
     rows_ptr,  # (T*K, D) (HAS_W)
     w_ptr,  # (T, K) fp32 (HAS_W)
     grad_rows_ptr,  # (T*K, D)
+    row_of_pair_ptr,  # (T*K,) int64: grad_rows row of pair t*K + k (HAS_ROW_MAP)
     grad_w_ptr,  # (T, K) fp32 (HAS_W)
     D,
-    K: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr, HAS_ROW_MAP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     for k in tl.static_range(K):
         if HAS_W:
             w = tl.load(w_ptr + t * K + k)
+        if HAS_ROW_MAP:
+            out_row = tl.load(row_of_pair_ptr + t * K + k).to(tl.int64)
+        else:
+            out_row = t * K + k
         dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for d in range(0, D, BLOCK_D):
             cols = d + tl.arange(0, BLOCK_D)
@@ -64,7 +73,7 @@ def _topk_combine_bwd_kernel(
                 dot += g * r
                 g = g * w
             if WRITE_ROWS:
-                tl.store(grad_rows_ptr + (t * K + k) * D + cols, g.to(grad_rows_ptr.dtype.element_ty), mask=mask)
+                tl.store(grad_rows_ptr + out_row * D + cols, g.to(grad_rows_ptr.dtype.element_ty), mask=mask)
         if HAS_W:
             tl.store(grad_w_ptr + t * K + k, tl.sum(dot))
 
@@ -89,10 +98,12 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
 
 def topk_combine_bwd(
     grad_TD: torch.Tensor, rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int,
-    *, write_rows: bool = True,
+    *, write_rows: bool = True, row_of_pair: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_rows (T*K, D), grad_weights (T, K) fp32 or None)``; with
-    ``write_rows=False`` only the weights' gradient is computed (grad_rows is None)."""
+    ``write_rows=False`` only the weights' gradient is computed (grad_rows is None).
+    ``row_of_pair`` (T*K,) int64: the row of ``grad_rows`` that pair ``t*K + k``'s
+    gradient goes to (default: ``t*K + k``)."""
     T, D = grad_TD.shape
     if not write_rows and weights_TK is None:
         raise ValueError("topk_combine_bwd: nothing to compute without weights and rows")
@@ -102,7 +113,8 @@ def topk_combine_bwd(
         return grad_rows, grad_w
     _topk_combine_bwd_kernel[(T,)](
         grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
-        grad_rows, grad_rows if grad_w is None else grad_w, D,
-        K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, BLOCK_D=_block_d(D),
+        grad_rows, grad_rows if row_of_pair is None else row_of_pair, grad_rows if grad_w is None else grad_w, D,
+        K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, HAS_ROW_MAP=row_of_pair is not None,
+        BLOCK_D=_block_d(D),
     )
     return (grad_rows if write_rows else None), grad_w

@@ -1,7 +1,7 @@
 """Megakernel 1: token dispatch fused with the first grouped GEMM of the experts.
 
 Shape legend: W expert-parallel ranks, T_cap tokens per rank (capacity), D model dim,
-K experts per token, S sends, R rows (expert-major, the plan's order), H hidden dim.
+K experts per token, Q sends, R rows (expert-major, the plan's order), H hidden dim.
 
 One persistent launch; programs take tasks from an atomic counter:
 
@@ -174,10 +174,10 @@ def dispatch_gemm(
 ):
     """Launch megakernel 1 for one EP launch (see the module docstring).
 
-    ``sends`` (:class:`uniep.transport.megakernel.Sends`) and ``x_TD`` (this launch's
+    ``sends`` (:class:`uniep.transport.sends.Sends`) and ``x_TD`` (this launch's
     tokens, sources concatenated) are the push side; ``peers``
-    (:class:`~uniep.transport.megakernel.PeerBuffers`) the landing and flag buffers of
-    every rank; ``owner_rows`` (:class:`~uniep.transport.megakernel.OwnerRows`) this
+    (:class:`~uniep.transport.peer_buffers.PeerBuffers`) the landing and flag buffers of
+    every rank; ``owner_rows`` (:class:`~uniep.transport.sends.OwnerRows`) this
     launch's rows. Forward (SWIGLU_FWD, ``w_E`` = w1, ``w3_E`` = w3): pushes the
     metadata (slot, score, origin of every row) into the owners' buffers, reads
     ``a_row`` / ``a_scale`` (this launch's views of them) and returns (h, a1, a3)

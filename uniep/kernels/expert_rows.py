@@ -11,8 +11,8 @@ where ``s`` is each row's score when scores are applied before the experts (roun
 the rows' dtype after scaling), else 1. The GEMMs may gather their input rows
 (``source_row``: the plan row's row of ``rows``, e.g. its token) and scatter their
 outputs (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside
-the kernels; the output gradient is read in ``y``'s layout and the input-row gradient
-written in it. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+the kernels; the output gradient is read in plan order (contiguous rows: the copy
+engine loads them) and the input-row gradient written in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
 
 The backward is three steps, so a caller can release each temporary as soon as it is
 used: ``down_backward`` (SwiGLU backward, w2 gradient), ``rows_input_grad``,
@@ -30,15 +30,11 @@ from uniep.kernels.grouped_gemm import (
     PLAIN,
     SWIGLU_BWD,
     SWIGLU_FWD,
-    GemmTiles,
-    check_row_tiles,
+    ExpertTiles,
     grouped_gemm,
     tile_offsets,
 )
 from uniep.kernels.wgrad import grouped_wgrad
-
-Tiles = tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles]
-"""(gemm, up, wgrad, wgrad_up) tile settings, as in ``fused_experts``."""
 
 
 @dataclass
@@ -74,7 +70,7 @@ def expert_rows_forward(
     w1_EHD: torch.Tensor,
     w2_EDH: torch.Tensor,
     w3_EHD: torch.Tensor,
-    tiles: Tiles,
+    tiles: ExpertTiles,
     *,
     source_row: torch.Tensor | None = None,
     target_row: torch.Tensor | None = None,
@@ -82,52 +78,48 @@ def expert_rows_forward(
     """(y, state): y has R rows (plan order, or scattered to ``target_row``).
     ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
     int32 or None (plan order); ``scale_R`` (R,) fp32 or None."""
-    gemm, up, _, _ = tiles
-    check_row_tiles(gemm, up, "expert rows")
     R = rows.shape[0] if source_row is None else source_row.shape[0]
     (w1, w2, w3), dtypes = compute_weights(w1_EHD, w2_EDH, w3_EHD, rows.dtype)
-    offsets = tile_offsets(rows_per_expert_E, gemm.block_m)
+    offsets = tile_offsets(rows_per_expert_E, tiles.gemm.block_m)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
-    h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+    h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
                              w2_E=w3, a_row=source_row, a_scale=scale_R)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
-    y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=gemm, mode=PLAIN, c_row=target_row)
+    y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
     return y, ExpertRowsState(rows, source_row, target_row, scale_R, (w1, w2, w3), dtypes, h, a1, a3, offsets)
 
 
-def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: Tiles):
-    """(d_a1, d_a3 (R, H), grad w2): d h = grad_y @ w2[e] with the SwiGLU backward in the
-    epilogue, and the w2 gradient (one program per tile, the expert's rows in order)."""
-    _, up, wgrad, _ = tiles
+def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
+    """(d_a1, d_a3 (R, H), grad w2) from ``grad_y`` (R, D) in plan order: d h = grad_y @
+    w2[e] with the SwiGLU backward in the epilogue, and the w2 gradient (one program per
+    tile, the expert's rows in order)."""
     _, w2, _ = state.weights
     grad_y = grad_y.contiguous()
-    d_a1, d_a3 = grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=up,
-                              mode=SWIGLU_BWD, a_row=state.target_row, aux=(state.a1, state.a3))
-    grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=wgrad,
-                            out_dtype=state.weight_dtypes[1], a_row=state.target_row)
+    d_a1, d_a3 = grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.up,
+                              mode=SWIGLU_BWD, aux=(state.a1, state.a3))
+    grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
+                            out_dtype=state.weight_dtypes[1])
     return d_a1, d_a3, grad_w2
 
 
-def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: Tiles) -> torch.Tensor:
+def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
     """d rows = d_a1 @ w1[e] + d_a3 @ w3[e] (one accumulator), in ``y``'s layout: the
     gradient of the (scaled) input rows."""
-    gemm = tiles[0]
     w1, _, w3 = state.weights
-    return grouped_gemm(d_a1, w1, state.offsets, state.num_rows, transpose_w=False, tiles=gemm, mode=DUAL,
+    return grouped_gemm(d_a1, w1, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=DUAL,
                         a2=d_a3, w2_E=w3, c_row=state.target_row)
 
 
-def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: Tiles):
+def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
     """(grad w1, grad w3) in the weights' dtypes, from one launch."""
-    wgrad_up = tiles[3]
     dt1, _, dt3 = state.weight_dtypes
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], state.weights[0].shape[0], tiles=wgrad_up,
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], state.weights[0].shape[0], tiles=tiles.wgrad_up,
                                      out_dtype=dt1, b_row=state.source_row, b_scale=state.scale_R, a2=d_a3)
     return grad_w1, grad_w3.to(dt3)
 
 
 def expert_rows_backward(
-    grad_y: torch.Tensor, state: ExpertRowsState, tiles: Tiles,
+    grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the (scaled) rows in ``y``'s layout, grad w1, grad w2, grad w3 in the
     weights' dtypes)."""

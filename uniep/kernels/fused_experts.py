@@ -11,10 +11,11 @@ Forward (3 launches):
      SwiGLU in the epilogue            -> h (P, H), a1, a3 (P, H) kept for backward
   2. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
   3. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
-Backward (6 launches): combine backward; down dgrad with the SwiGLU backward in the
-epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one accumulator) scattered to
-(token, k) order; fixed-order sum of each token's K input gradients; the w1 and w3
-weight gradients in one launch. Each weight-gradient tile sums its expert's rows in
+Backward (6 launches): combine backward, its rows written in plan order (so the next
+two launches load them contiguously, through the copy engine); down dgrad with the
+SwiGLU backward in the epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one
+accumulator) scattered to (token, k) order; fixed-order sum of each token's K input
+gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums its expert's rows in
 plan order inside one program.
 
 Registered as the custom ops ``uniep::fused_experts_fwd`` / ``uniep::fused_experts_bwd``
@@ -38,22 +39,7 @@ from uniep.kernels.expert_rows import (
     rows_input_grad,
     up_weight_grads,
 )
-from uniep.kernels.grouped_gemm import GemmTiles, check_row_tiles
-
-# Tile settings travel through the custom ops as a flat list of ints: for each of the
-# four tile sets (tiles, up_tiles, wgrad_tiles, wgrad_up_tiles), these fields in order.
-_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs", "descriptors")
-
-
-def _pack_tiles(*tile_sets: GemmTiles) -> list[int]:
-    return [int(getattr(t, f) or 0) for t in tile_sets for f in _TILE_FIELDS]
-
-
-def _unpack_tiles(packed: list[int]) -> list[GemmTiles]:
-    n = len(_TILE_FIELDS)
-    sets = [dict(zip(_TILE_FIELDS, packed[i : i + n])) for i in range(0, len(packed), n)]
-    return [GemmTiles(**{**s, "num_programs": s["num_programs"] or None, "descriptors": bool(s["descriptors"])})
-            for s in sets]
+from uniep.kernels.grouped_gemm import ExpertTiles
 
 
 def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before: bool):
@@ -72,7 +58,7 @@ def _fused_experts_fwd(
     """Returns (out (T, D), h, a1, a3 (P, H), y (P, D), expert_offsets, tile_offsets (E+1,))."""
     source_row, target_row, row_scale = _row_maps(send_order_P, scores_TK, score_before)
     y_PD, state = expert_rows_forward(
-        x_TD, row_scale, rows_per_expert_E, w1, w2, w3, _unpack_tiles(tiles),
+        x_TD, row_scale, rows_per_expert_E, w1, w2, w3, ExpertTiles.unpacked(tiles),
         source_row=source_row, target_row=target_row,
     )
     out = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
@@ -98,16 +84,20 @@ def _fused_experts_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (grad_x, grad_scores (fp32), grad_w1, grad_w2, grad_w3 (the weights' dtypes))."""
     T, K = scores_TK.shape
-    tile_sets = _unpack_tiles(tiles)
+    expert_tiles = ExpertTiles.unpacked(tiles)
     weights, dtypes = compute_weights(w1, w2, w3, x_TD.dtype)
     state = ExpertRowsState(x_TD, *_row_maps(send_order_P, scores_TK, score_before), weights, dtypes, h, a1, a3,
                             (expert_offsets, tile_offs))
-    # grad of y in (token, k) order; grad of the scores when applied after the experts.
-    # The launches' order keeps one (P, D) temporary alive at a time.
-    grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD, None if score_before else scores_TK, K)
-    d_a1, d_a3, grad_w2 = down_backward(grad_y_PD, state, tile_sets)
-    del grad_y_PD
-    d_rows_PD = rows_input_grad(d_a1, d_a3, state, tile_sets)
+    # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
+    # the scores when applied after the experts. The launches' order keeps one (P, D)
+    # temporary alive at a time.
+    plan_row = torch.empty_like(send_order_P)
+    plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
+    grad_y_RD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD, None if score_before else scores_TK, K,
+                                              row_of_pair=plan_row)
+    d_a1, d_a3, grad_w2 = down_backward(grad_y_RD, state, expert_tiles)
+    del grad_y_RD
+    d_rows_PD = rows_input_grad(d_a1, d_a3, state, expert_tiles)
     if score_before:
         grad_x = topk_combine(d_rows_PD, scores_TK, K)
         # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
@@ -115,7 +105,7 @@ def _fused_experts_bwd(
     else:
         grad_x = topk_combine(d_rows_PD, None, K)
     del d_rows_PD
-    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tile_sets)
+    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, expert_tiles)
     return grad_x, grad_scores, grad_w1, grad_w2, grad_w3
 
 
@@ -158,27 +148,17 @@ def fused_experts(
     w3_EHD: torch.Tensor,
     *,
     score_before_experts: bool,
-    tiles: GemmTiles,
-    wgrad_tiles: GemmTiles,
-    up_tiles: GemmTiles | None = None,
-    wgrad_up_tiles: GemmTiles | None = None,
+    tiles: ExpertTiles,
 ) -> torch.Tensor:
     """(T, D): sum over k of score[t, k] * expert_{idx[t, k]}(x[t]) (see module docstring).
 
     ``send_order_P`` (P,) int64 is the plan's row order (pair ids ``t*K + k`` sorted by
     expert); ``rows_per_expert_E`` (E,) int64 its per-expert counts, on the device.
-    ``up_tiles`` (default: ``tiles``) are used by the two SwiGLU launches (gate/up forward
-    with two accumulators, down dgrad with the SwiGLU backward epilogue: both hold twice a
-    plain tile's registers), ``wgrad_up_tiles`` (default: ``wgrad_tiles``) by the w1/w3
-    gradient; ``up_tiles.block_m`` must equal ``tiles.block_m``.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
-    if up_tiles is not None:
-        check_row_tiles(tiles, up_tiles, "fused_experts")
-    packed = _pack_tiles(tiles, up_tiles or tiles, wgrad_tiles, wgrad_up_tiles or wgrad_tiles)
     return _fused_experts_fwd(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
-        w1_EHD, w2_EDH, w3_EHD, score_before_experts, packed,
+        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles.packed(),
     )[0]
 
 

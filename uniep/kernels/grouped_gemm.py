@@ -122,6 +122,61 @@ class GemmTiles:
         return tiles
 
 
+# ExpertTiles travel through custom ops as a flat list of ints: per tile set, these fields.
+_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs", "descriptors")
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    """The tiles of the expert MLP's four kinds of launch: the one tile settings object
+    of every Triton path (one rank, all_to_all, megakernel)."""
+
+    gemm: GemmTiles
+    """The plain GEMMs: down projection, up input gradient."""
+    up: GemmTiles
+    """The two SwiGLU GEMMs: gate/up (two accumulators) and the down input gradient (the
+    SwiGLU backward in its epilogue)."""
+    wgrad: GemmTiles
+    """The w2 gradient."""
+    wgrad_up: GemmTiles
+    """The w1/w3 gradient."""
+
+    def __post_init__(self) -> None:
+        # The gate/up launch and the plain ones walk one row-tile schedule (tile_offsets).
+        if self.up.block_m != self.gemm.block_m:
+            raise ValueError(
+                f"the gate/up tiles' block_m = {self.up.block_m} must equal the GEMM tiles' block_m = "
+                f"{self.gemm.block_m} (both launches share the row tiles)"
+            )
+
+    @classmethod
+    def uniform(cls, tiles: GemmTiles) -> "ExpertTiles":
+        """The same tiles for every launch."""
+        return cls(tiles, tiles, tiles, tiles)
+
+    @classmethod
+    def from_config(cls, c) -> "ExpertTiles":
+        """The tiles a ``UniEPConfig`` names."""
+        programs = c.num_programs or None
+        gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
+                         programs, c.descriptor_loads)
+        wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
+                          c.wgrad_num_stages, programs, c.descriptor_loads)
+        return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
+                   wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
+
+    def packed(self) -> list[int]:
+        sets = (self.gemm, self.up, self.wgrad, self.wgrad_up)
+        return [int(getattr(t, f) or 0) for t in sets for f in _TILE_FIELDS]
+
+    @classmethod
+    def unpacked(cls, packed: list[int]) -> "ExpertTiles":
+        n = len(_TILE_FIELDS)
+        sets = [dict(zip(_TILE_FIELDS, packed[i : i + n])) for i in range(0, len(packed), n)]
+        return cls(*(GemmTiles(**{**s, "num_programs": s["num_programs"] or None,
+                                  "descriptors": bool(s["descriptors"])}) for s in sets))
+
+
 @triton.jit
 def _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E: tl.constexpr):
     """Largest e in [0, E) with tile_offsets[e] <= m_tile (skips empty experts)."""
@@ -297,16 +352,6 @@ def _grouped_gemm_kernel(
             c_rows = rows.to(tl.int64)
         _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
-
-
-def check_row_tiles(tiles: GemmTiles, up_tiles: GemmTiles, where: str) -> None:
-    """The gate/up launch (two accumulators) and the other launches walk one row-tile
-    schedule (``tile_offsets`` by ``block_m``), so their ``block_m`` must agree."""
-    if up_tiles.block_m != tiles.block_m:
-        raise ValueError(
-            f"{where}: the gate/up tiles' block_m = {up_tiles.block_m} must equal the GEMM tiles' block_m = "
-            f"{tiles.block_m} (both launches share the row tiles)"
-        )
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:

@@ -14,24 +14,32 @@ from uniep.plan import RoutingPlan
 from uniep.rows import permute_rows
 
 
-def exchange_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """All-to-all of rows: ``in_splits[r]`` rows of ``x_ND`` go to rank r, ``out_splits[r]``
+def exchange_rows(x_MD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of rows: ``in_splits[r]`` rows of ``x_MD`` go to rank r, ``out_splits[r]``
     rows come from it (rank order)."""
-    out = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
-    dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
+    out = x_MD.new_empty(sum(out_splits), *x_MD.shape[1:])
+    dist.all_to_all_single(out, x_MD.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
+    def forward(ctx, x_MD, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return exchange_rows(x_ND, out_splits, in_splits, group)
+        return exchange_rows(x_MD, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx, grad_ND):
+    def backward(ctx, grad_MD):
         out_splits, in_splits = ctx.splits
-        return exchange_rows(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+        return exchange_rows(grad_MD, in_splits, out_splits, ctx.group), None, None, None
+
+
+def gather_counts(counts_E: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(W, E): every rank's ``counts_E`` (E,), in rank order (the plan's count table)."""
+    # Flat output: gloo accepts only a 1-D (W*E,) buffer here.
+    table = counts_E.new_empty(dist.get_world_size(group) * counts_E.numel())
+    dist.all_gather_into_tensor(table, counts_E.contiguous(), group=group)
+    return table.view(dist.get_world_size(group), -1)
 
 
 class AllToAllTransport:
@@ -41,10 +49,7 @@ class AllToAllTransport:
         self.ep_rank = dist.get_rank(group)
 
     def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        # Flat output: gloo accepts only a 1-D (W*E,) buffer here.
-        table = counts_E.new_empty(self.ep_size * counts_E.numel())
-        dist.all_gather_into_tensor(table, counts_E.contiguous(), group=self.group)
-        return table.view(self.ep_size, -1)
+        return gather_counts(counts_E, self.group)
 
     def dispatch(self, rows_PD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         arrived = _Exchange.apply(rows_PD, plan.recv_splits, plan.send_splits, self.group)

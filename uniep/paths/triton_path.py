@@ -1,10 +1,11 @@
-"""The routed-expert block over the all_to_all transport with the experts on the Triton
-kernels (expert-parallel degree > 1).
+"""The Triton paths: the expert MLP on the Triton kernels, on one rank
+(``fused_experts``: the token rows gathered inside the GEMM loads) or over the
+all_to_all transport.
 
 Shape legend: T local tokens, K experts per token, P = T*K pairs (send order), R rows
-received (expert-major), D model dim.
+received (expert-major), D model dim, E experts (El on this rank).
 
-It is ``fused_experts`` with the row exchange in the middle, step for step: unscaled
+The all_to_all path is ``fused_experts`` with the row exchange in the middle, step for step: unscaled
 token rows (and, with scores applied before the experts, their fp32 scores) go to the
 owners; the owners run the gate/up and down GEMMs (``expert_rows_forward``, scores
 applied in the GEMM loads); the output rows come back and are summed per token by
@@ -16,12 +17,16 @@ as on one rank, so the bits do not depend on the EP degree.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
-from uniep.kernels.grouped_gemm import GemmTiles
-from uniep.plan import RoutingPlan, device_ints
+from uniep.kernels.fused_experts import fused_experts
+from uniep.kernels.grouped_gemm import ExpertTiles
+from uniep.plan import RoutingPlan, build_plan, device_ints
+from uniep.transport import AllToAllTransport
 
 
 class _AllToAllFusedExperts(torch.autograd.Function):
@@ -47,8 +52,9 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         plan, transport, before = ctx.plan, ctx.transport, ctx.score_before
         K = scores_TK.shape[1]
         grad_out_TD = grad_out_TD.contiguous()
-        grad_y_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if before else scores_TK, K)
-        grad_y_RD = transport.dispatch(grad_y_PD.index_select(0, plan.send_order), plan)
+        grad_y_sent_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if before else scores_TK, K,
+                                                       row_of_pair=plan.send_order_inverse)  # in send order
+        grad_y_RD = transport.dispatch(grad_y_sent_PD, plan)
         d_rows_RD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(grad_y_RD, ctx.state, ctx.tiles)
         d_rows_PD = transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
         if before:
@@ -68,14 +74,50 @@ def all_to_all_fused_experts(
     w2_EDH: torch.Tensor,
     w3_EHD: torch.Tensor,
     *,
-    tiles: tuple[GemmTiles, GemmTiles, GemmTiles, GemmTiles],
+    tiles: ExpertTiles,
     score_before_experts: bool,
 ) -> torch.Tensor:
     """(T, D): sum over k of score[t, k] * expert_{idx[t, k]}(x[t]) with the experts on
     their owners (``transport``: an ``AllToAllTransport``; ``plan`` its routing plan);
-    w1, w3 (El, H, D), w2 (El, D, H): this rank's experts; ``tiles`` = (gemm, up,
-    wgrad, wgrad_up) as in ``fused_experts``."""
+    w1, w3 (El, H, D), w2 (El, D, H): this rank's experts."""
     return _AllToAllFusedExperts.apply(
         x_TD.contiguous(), scores_TK.float().contiguous(), w1_EHD, w2_EDH, w3_EHD, plan, transport, tiles,
         score_before_experts,
     )
+
+
+tiles_of = functools.cache(ExpertTiles.from_config)
+"""The tiles of a config, built once per config."""
+
+
+class TritonPath:
+    """One rank: ``fused_experts``."""
+
+    ep_size = 1
+
+    def __init__(self, schedules, score_before_experts: bool):
+        self.schedules, self.score_before_experts = schedules, score_before_experts
+
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3) -> torch.Tensor:
+        config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], 1)
+        # Stable sort: rows of an expert stay in (token, k) order, as in the plan.
+        send_order = torch.argsort(topk_TK.reshape(-1), stable=True)
+        return fused_experts(x_TD, scores_TK, send_order, counts_E, w1, w2, w3,
+                             score_before_experts=self.score_before_experts, tiles=tiles_of(config))
+
+
+class TritonAllToAllPath:
+    """Expert-parallel degree > 1: the rows to their owners and back over all_to_all,
+    the same bits as one rank."""
+
+    def __init__(self, transport: AllToAllTransport, schedules, num_experts: int, score_before_experts: bool):
+        self.transport, self.schedules = transport, schedules
+        self.ep_size = transport.ep_size
+        self.num_experts, self.score_before_experts = num_experts, score_before_experts
+
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3) -> torch.Tensor:
+        config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], self.ep_size)
+        t = self.transport
+        plan = build_plan(topk_TK, self.num_experts, t.gather_counts(counts_E), t.ep_rank)
+        return all_to_all_fused_experts(x_TD, scores_TK, plan, t, w1, w2, w3, tiles=tiles_of(config),
+                                        score_before_experts=self.score_before_experts)
