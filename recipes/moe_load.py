@@ -1,7 +1,8 @@
 """Per-layer expert load during training, for any MoE model (UniEP's or TorchTitan's).
 
 A forward hook on each MoE layer's router counts the tokens routed to each expert
-(``torch.bincount`` of the router's expert ids: one small kernel per layer). At each
+(``uniep.plan.local_counts`` of the router's expert ids: a sort and a search per layer,
+no host sync, unlike ``torch.bincount`` on CUDA). At each
 log step the counts are summed over all ranks and reduced, per layer, to the busiest
 expert's tokens over the mean (1 = perfectly balanced) and the fraction of experts
 that got no token; MoE users watch these for imbalance and router collapse.
@@ -14,6 +15,8 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from uniep.plan import local_counts
 
 
 class ExpertLoad:
@@ -37,7 +40,7 @@ class ExpertLoad:
     def _count(self, layer: str, num_experts: int, module, inputs, output) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # an activation-checkpoint recompute inside the backward: counted already
-        counts = torch.bincount(output[1].reshape(-1), minlength=num_experts)
+        counts = local_counts(output[1], num_experts)
         previous = self.counts.get(layer)
         self.counts[layer] = counts if previous is None else previous + counts
 

@@ -49,3 +49,14 @@ def test_plan_rejects_ep_degree_not_dividing_experts():
     table = torch.zeros(3, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="num_experts = 4 is not divisible by ep_size = 3"):
         build_plan(idx, 4, table)
+
+
+@pytest.mark.parametrize("n, size", [(8, 100), (128, 5000), (3, 0), (6, 7)])
+def test_local_counts_match_bincount(n, size):
+    """The sync-free count (sort + search) gives torch.bincount's counts, with absent
+    values, an empty input and ids up to n - 1."""
+    values = torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(n + size))
+    if size:
+        values[0] = n - 1
+    assert torch.equal(local_counts(values, n), torch.bincount(values, minlength=n))
+    assert torch.equal(local_counts(values.view(-1, 1), n), local_counts(values, n))  # any shape

@@ -58,8 +58,17 @@ class RoutingPlan:
 
 
 def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) int64: pairs routed to each expert."""
-    return torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts)
+    """(E,) int64: pairs routed to each expert (any shape of expert ids)."""
+    return counts_in_sorted(topk_idx_TK.reshape(-1).sort().values, num_experts)
+
+
+def counts_in_sorted(sorted_values: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) int64: how often each of 0..n-1 occurs in the ascending ``sorted_values``.
+    No host sync, unlike ``torch.bincount`` on CUDA (it reads the maximum back to size
+    its output): a layer's forward must not stall the host behind the device."""
+    edges = torch.arange(n + 1, device=sorted_values.device, dtype=sorted_values.dtype)
+    bounds = torch.searchsorted(sorted_values, edges)
+    return bounds[1:] - bounds[:-1]
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -82,7 +91,7 @@ def algorithm1_rows(topk_TK: torch.Tensor, count_table_WE: torch.Tensor, rank0: 
     flat = topk_TK.reshape(-1)
     if order is None:
         order = torch.argsort(flat, stable=True)
-    launch_counts_E = torch.bincount(flat, minlength=E)
+    launch_counts_E = counts_in_sorted(flat[order], E)
     place_in_expert = torch.empty_like(order)
     place_in_expert[order] = torch.arange(flat.numel(), device=device) - exclusive_cumsum(launch_counts_E)[flat[order]]
     # base(e): rows of the owner's lower experts, summed over all senders

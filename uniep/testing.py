@@ -19,7 +19,7 @@ import torch
 
 from uniep.config import UniEPConfig
 from uniep.paths.megakernel import megakernel_experts, schedule_of
-from uniep.plan import device_ints
+from uniep.plan import device_ints, local_counts
 from uniep.transport.peer_buffers import DeviceAllocator, PeerBuffers
 
 
@@ -42,7 +42,7 @@ class VirtualRanksPath:
             torch.arange(W, device=x_TD.device), device_ints(tokens_per_sender, x_TD.device), output_size=T
         )
         pair_keys = (sender_T[:, None] * self.num_experts + topk_TK).reshape(-1)
-        count_table_WE = torch.bincount(pair_keys, minlength=W * self.num_experts).view(W, self.num_experts)
+        count_table_WE = local_counts(pair_keys, W * self.num_experts).view(W, self.num_experts)
         return megakernel_experts(
             x_TD, scores_TK, topk_TK, tokens_per_sender, count_table_WE, w1, w2, w3, self.peers, self.schedule,
             score_before_experts=self.score_before_experts,

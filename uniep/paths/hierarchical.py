@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from uniep.paths.megakernel import Launch, Schedule, _MegakernelExperts, schedule_of
-from uniep.plan import algorithm1_rows
+from uniep.plan import algorithm1_rows, local_counts
 from uniep.transport.all_to_all import exchange_rows, gather_counts
 from uniep.transport.peer_buffers import PeerBuffers, SymmetricAllocator
 from uniep.transport.sends import Sends, owner_rows, sends_to_owners
@@ -181,7 +181,7 @@ def hierarchical_megakernel_experts(
     K = topk_TK.shape[1]
     node_TK = topk_TK // (El * L)
     goes_NdT = (node_TK[None] == torch.arange(Nd, device=topk_TK.device)[:, None, None]).any(2)
-    counts = torch.cat([torch.bincount(topk_TK.reshape(-1), minlength=E), goes_NdT.sum(1)])
+    counts = torch.cat([local_counts(topk_TK, E), goes_NdT.sum(1)])
     table_W = gather_counts(counts, layout.group)  # (W, E + Nd): pair counts, then tokens per node
     table = table_W.tolist()  # the call's one host sync
     peers.raise_pending_errors(synchronize=False)
