@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+from tests.helpers import spawn_ranks
+
 pytestmark = pytest.mark.gpu
 
 
@@ -186,11 +188,8 @@ def test_compiled_layer_on_virtual_ranks_matches_eager():
         assert rel_err(c, e) < 1e-2
 
 
-def _symmetric_worker(rank, world, per_node, init_file, results):
-    try:
-        results.put((rank, _symmetric_run(rank, world, per_node, init_file)))
-    except Exception as e:  # the parent must hear of it, or it waits for nothing
-        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+def _symmetric_worker(rank, world, shared, barrier, per_node, init_file, result_path):
+    torch.save(_symmetric_run(rank, world, per_node, init_file), f"{result_path}.{rank}")
 
 
 def _symmetric_run(rank, world, per_node, init_file):
@@ -226,36 +225,21 @@ def _symmetric_run(rank, world, per_node, init_file):
 
 
 @pytest.mark.parametrize("world, per_node", [(2, 2), (2, 1), (4, 2)])
-def test_megakernel_symmetric_memory(world, per_node):
+def test_megakernel_symmetric_memory(world, per_node, tmp_path):
     """The real transport: one process per GPU, symmetric-memory peer buffers inside
     each "node" of ``per_node`` GPUs (the hierarchical transport's all-to-all between
     them), give the one-GPU layer's output, input gradient and expert gradients,
     bitwise (rows and flags cross the NVLink peer mappings)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs (symmetric memory allows one rank per GPU)")
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_symmetric_worker, args=(r, world, per_node, f"{tmp}/init", results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        outcome = dict(results.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-    for rank, same in outcome.items():
-        assert "error" not in same and all(same.values()), (rank, same)
+    spawn_ranks(_symmetric_worker, world, per_node, str(tmp_path / "init"), str(tmp_path / "r"), timeout=600)
+    for rank in range(world):
+        same = torch.load(tmp_path / f"r.{rank}")
+        assert all(same.values()), (rank, same)
 
 
-def _silent_peer_worker(rank, world, init_file, results):
-    try:
-        results.put((rank, _silent_peer_run(rank, world, init_file)))
-    except Exception as e:  # the parent must hear of it, or it waits for nothing
-        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+def _silent_peer_worker(rank, world, shared, barrier, init_file, result_path):
+    torch.save(_silent_peer_run(rank, world, init_file), f"{result_path}.{rank}")
 
 
 def _silent_peer_run(rank, world, init_file):
@@ -301,26 +285,13 @@ def _silent_peer_run(rank, world, init_file):
     return outcome
 
 
-def test_megakernel_peer_that_never_launches_gives_an_error_not_a_hang():
+def test_megakernel_peer_that_never_launches_gives_an_error_not_a_hang(tmp_path):
     """Two GPUs: a peer that sets up its buffers but never launches makes the waiting
     rank's kernel give up after max_spins polls and the layer raise MegakernelWaitError;
     both processes then leave cleanly."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_silent_peer_worker, args=(r, 2, f"{tmp}/init", results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        outcome = dict(results.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, 0], outcome
-    assert "error" not in outcome[0] and "error" not in outcome[1], outcome
+    spawn_ranks(_silent_peer_worker, 2, str(tmp_path / "init"), str(tmp_path / "r"))  # both leave cleanly
+    outcome = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
     assert "timed out" in outcome[0].get("wait_error", ""), outcome
     assert outcome[0]["seconds"] < 60, outcome
