@@ -77,12 +77,12 @@ def test_gate_up_tiles_must_share_the_row_tiles():
     ExpertTiles(tiles, GemmTiles(128, 64, 32), tiles, tiles)  # another width is fine
 
 
-def test_expert_tiles_round_trip_through_the_custom_op_ints():
+def test_expert_tiles_from_a_config():
     from uniep import UniEPConfig
     from uniep.kernels.grouped_gemm import ExpertTiles
 
-    tiles = ExpertTiles.from_config(UniEPConfig(gemm_up_block_n=64, wgrad_block_k=32, num_programs=7,
-                                                descriptor_loads=False))
-    assert (tiles.up.block_n, tiles.gemm.block_n, tiles.wgrad.block_k, tiles.gemm.num_programs) == (64, 256, 32, 7)
-    assert ExpertTiles.unpacked(tiles.packed()) == tiles
-    assert ExpertTiles.unpacked(ExpertTiles.from_config(UniEPConfig()).packed()) != tiles
+    tiles = ExpertTiles.from_config(UniEPConfig(gemm_up_block_n=64, wgrad_block_k=32, wgrad_up_block_n=128,
+                                                num_programs=7, descriptor_loads=False))
+    assert (tiles.up.block_n, tiles.gemm.block_n, tiles.wgrad.block_k, tiles.wgrad_up.block_n) == (64, 256, 32, 128)
+    assert tiles.gemm.num_programs == tiles.wgrad_up.num_programs == 7 and not tiles.up.descriptors
+    assert ExpertTiles.from_config(UniEPConfig()).gemm.num_programs is None  # 0: one per SM

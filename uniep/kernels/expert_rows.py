@@ -46,7 +46,8 @@ class ExpertRowsState:
     target_row: torch.Tensor | None
     scale_R: torch.Tensor | None
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    weight_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
+    """w1, w2, w3 as given (in their own dtypes: a compute-dtype copy is not kept
+    between the forward and the backward)."""
     h: torch.Tensor
     a1: torch.Tensor
     a3: torch.Tensor
@@ -56,11 +57,9 @@ class ExpertRowsState:
     def num_rows(self) -> int:
         return self.h.shape[0]
 
-
-def compute_weights(w1_EHD, w2_EDH, w3_EHD, dtype):
-    """(the weights in the compute dtype, their own dtypes)."""
-    dtypes = (w1_EHD.dtype, w2_EDH.dtype, w3_EHD.dtype)
-    return tuple(w.to(dtype) for w in (w1_EHD, w2_EDH, w3_EHD)), dtypes
+    def weight(self, i: int) -> torch.Tensor:
+        """w1, w2 or w3 (i = 0, 1, 2) in the rows' dtype."""
+        return self.weights[i].to(self.h.dtype)
 
 
 def expert_rows_forward(
@@ -79,43 +78,43 @@ def expert_rows_forward(
     ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
     int32 or None (plan order); ``scale_R`` (R,) fp32 or None."""
     R = rows.shape[0] if source_row is None else source_row.shape[0]
-    (w1, w2, w3), dtypes = compute_weights(w1_EHD, w2_EDH, w3_EHD, rows.dtype)
+    w1, w2, w3 = (w.to(rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
     offsets = tile_offsets(rows_per_expert_E, tiles.gemm.block_m)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
     h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
                              w2_E=w3, a_row=source_row, a_scale=scale_R)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
     y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
-    return y, ExpertRowsState(rows, source_row, target_row, scale_R, (w1, w2, w3), dtypes, h, a1, a3, offsets)
+    return y, ExpertRowsState(rows, source_row, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets)
 
 
 def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
     """(d_a1, d_a3 (R, H), grad w2) from ``grad_y`` (R, D) in plan order: d h = grad_y @
     w2[e] with the SwiGLU backward in the epilogue, and the w2 gradient (one program per
     tile, the expert's rows in order)."""
-    _, w2, _ = state.weights
+    w2 = state.weight(1)
     grad_y = grad_y.contiguous()
     d_a1, d_a3 = grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.up,
                               mode=SWIGLU_BWD, aux=(state.a1, state.a3))
     grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
-                            out_dtype=state.weight_dtypes[1])
+                            out_dtype=state.weights[1].dtype)
     return d_a1, d_a3, grad_w2
 
 
 def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
     """d rows = d_a1 @ w1[e] + d_a3 @ w3[e] (one accumulator), in ``y``'s layout: the
     gradient of the (scaled) input rows."""
-    w1, _, w3 = state.weights
+    w1, w3 = state.weight(0), state.weight(2)
     return grouped_gemm(d_a1, w1, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=DUAL,
                         a2=d_a3, w2_E=w3, c_row=state.target_row)
 
 
 def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
     """(grad w1, grad w3) in the weights' dtypes, from one launch."""
-    dt1, _, dt3 = state.weight_dtypes
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], state.weights[0].shape[0], tiles=tiles.wgrad_up,
-                                     out_dtype=dt1, b_row=state.source_row, b_scale=state.scale_R, a2=d_a3)
-    return grad_w1, grad_w3.to(dt3)
+    w1, _, w3 = state.weights
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
+                                     out_dtype=w1.dtype, b_row=state.source_row, b_scale=state.scale_R, a2=d_a3)
+    return grad_w1, grad_w3.to(w3.dtype)
 
 
 def expert_rows_backward(

@@ -15,12 +15,12 @@ Backward (6 launches): combine backward, its rows written in plan order (so the 
 two launches load them contiguously, through the copy engine); down dgrad with the
 SwiGLU backward in the epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one
 accumulator) scattered to (token, k) order; fixed-order sum of each token's K input
-gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums its expert's rows in
-plan order inside one program.
+gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums
+its expert's rows in plan order inside one program.
 
-Registered as the custom ops ``uniep::fused_experts_fwd`` / ``uniep::fused_experts_bwd``
-with fake (meta) implementations and autograd, so ``torch.compile`` traces through them
-without graph breaks and activation checkpointing sees ordinary ops.
+An autograd function: a UniEP layer calls it inside its ``uniep::routed_experts``
+custom op (``uniep.routed_op``), which is what torch.compile and activation
+checkpointing see.
 
 ``score_before_experts`` scales each gathered x row by its score (fp32, rounded to the
 input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
@@ -32,8 +32,6 @@ import torch
 
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import (
-    ExpertRowsState,
-    compute_weights,
     down_backward,
     expert_rows_forward,
     rows_input_grad,
@@ -50,92 +48,42 @@ def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before:
     return (send_order_P // K).to(torch.int32), send_order_P.to(torch.int32), scale
 
 
-@torch.library.custom_op("uniep::fused_experts_fwd", mutates_args=())
-def _fused_experts_fwd(
-    x_TD: torch.Tensor, scores_TK: torch.Tensor, send_order_P: torch.Tensor, rows_per_expert_E: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, score_before: bool, tiles: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out (T, D), h, a1, a3 (P, H), y (P, D), expert_offsets, tile_offsets (E+1,))."""
-    source_row, target_row, row_scale = _row_maps(send_order_P, scores_TK, score_before)
-    y_PD, state = expert_rows_forward(
-        x_TD, row_scale, rows_per_expert_E, w1, w2, w3, ExpertTiles.unpacked(tiles),
-        source_row=source_row, target_row=target_row,
-    )
-    out = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
-    return out, state.h, state.a1, state.a3, y_PD, *state.offsets
+class _FusedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before: bool,
+                tiles: ExpertTiles):
+        source_row, target_row, row_scale = _row_maps(send_order_P, scores_TK, score_before)
+        y_PD, state = expert_rows_forward(x_TD, row_scale, rows_per_expert_E, w1, w2, w3, tiles,
+                                          source_row=source_row, target_row=target_row)
+        out_TD = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
+        ctx.save_for_backward(x_TD, scores_TK, send_order_P, y_PD)
+        ctx.state, ctx.score_before, ctx.tiles = state, score_before, tiles
+        return out_TD
 
-
-@_fused_experts_fwd.register_fake
-def _(x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before, tiles):
-    T, K = scores_TK.shape
-    E, H, D = w1.shape
-    rows = x_TD.new_empty(T * K, H)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=x_TD.device)
-    return (x_TD.new_empty(T, D), rows, torch.empty_like(rows), torch.empty_like(rows),
-            x_TD.new_empty(T * K, D), offsets, torch.empty_like(offsets))
-
-
-@torch.library.custom_op("uniep::fused_experts_bwd", mutates_args=())
-def _fused_experts_bwd(
-    grad_out_TD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor, send_order_P: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    h: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor, y_PD: torch.Tensor,
-    expert_offsets: torch.Tensor, tile_offs: torch.Tensor, score_before: bool, tiles: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (grad_x, grad_scores (fp32), grad_w1, grad_w2, grad_w3 (the weights' dtypes))."""
-    T, K = scores_TK.shape
-    expert_tiles = ExpertTiles.unpacked(tiles)
-    weights, dtypes = compute_weights(w1, w2, w3, x_TD.dtype)
-    state = ExpertRowsState(x_TD, *_row_maps(send_order_P, scores_TK, score_before), weights, dtypes, h, a1, a3,
-                            (expert_offsets, tile_offs))
-    # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
-    # the scores when applied after the experts. The launches' order keeps one (P, D)
-    # temporary alive at a time.
-    plan_row = torch.empty_like(send_order_P)
-    plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
-    grad_y_RD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD, None if score_before else scores_TK, K,
-                                              row_of_pair=plan_row)
-    d_a1, d_a3, grad_w2 = down_backward(grad_y_RD, state, expert_tiles)
-    del grad_y_RD
-    d_rows_PD = rows_input_grad(d_a1, d_a3, state, expert_tiles)
-    if score_before:
-        grad_x = topk_combine(d_rows_PD, scores_TK, K)
-        # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
-        _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
-    else:
-        grad_x = topk_combine(d_rows_PD, None, K)
-    del d_rows_PD
-    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, expert_tiles)
-    return grad_x, grad_scores, grad_w1, grad_w2, grad_w3
-
-
-@_fused_experts_bwd.register_fake
-def _(grad_out_TD, x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs, score_before, tiles):
-    return (torch.empty_like(x_TD), torch.empty_like(scores_TK, dtype=torch.float32),
-            torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3))
-
-
-def _setup_context(ctx, inputs, output):
-    x_TD, scores_TK, send_order_P, _, w1, w2, w3, score_before, tiles = inputs
-    _, h, a1, a3, y_PD, expert_offsets, tile_offs = output
-    ctx.save_for_backward(x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs)
-    ctx.score_before, ctx.tiles = score_before, tiles
-    # Only ``out`` is differentiable: no zero gradients get built for the saved outputs
-    # (that cost about 1 GiB and 0.5 ms at the Qwen3-30B-A3B shape on an H200).
-    ctx.mark_non_differentiable(h, a1, a3, y_PD, expert_offsets, tile_offs)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, grad_out, *unused_grads):
-    x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD, expert_offsets, tile_offs = ctx.saved_tensors
-    grad_x, grad_scores, grad_w1, grad_w2, grad_w3 = _fused_experts_bwd(
-        grad_out, x_TD, scores_TK, send_order_P, w1, w2, w3, h, a1, a3, y_PD,
-        expert_offsets, tile_offs, ctx.score_before, ctx.tiles,
-    )
-    return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
-
-
-_fused_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        x_TD, scores_TK, send_order_P, y_PD = ctx.saved_tensors
+        state, score_before, tiles = ctx.state, ctx.score_before, ctx.tiles
+        K = scores_TK.shape[1]
+        # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
+        # the scores when applied after the experts. The launches' order keeps one (P, D)
+        # temporary alive at a time.
+        plan_row = torch.empty_like(send_order_P)
+        plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
+        grad_y_RD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
+                                                  None if score_before else scores_TK, K, row_of_pair=plan_row)
+        d_a1, d_a3, grad_w2 = down_backward(grad_y_RD, state, tiles)
+        del grad_y_RD
+        d_rows_PD = rows_input_grad(d_a1, d_a3, state, tiles)
+        if score_before:
+            grad_x = topk_combine(d_rows_PD, scores_TK, K)
+            # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
+            _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
+        else:
+            grad_x = topk_combine(d_rows_PD, None, K)
+        del d_rows_PD
+        grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tiles)
+        return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
 
 
 def fused_experts(
@@ -156,10 +104,10 @@ def fused_experts(
     expert); ``rows_per_expert_E`` (E,) int64 its per-expert counts, on the device.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
-    return _fused_experts_fwd(
+    return _FusedExperts.apply(
         x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
-        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles.packed(),
-    )[0]
+        w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles,
+    )
 
 
 def _check_inputs(x_TD, scores_TK, w1, w2, w3) -> None:

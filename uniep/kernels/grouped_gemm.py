@@ -122,10 +122,6 @@ class GemmTiles:
         return tiles
 
 
-# ExpertTiles travel through custom ops as a flat list of ints: per tile set, these fields.
-_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_programs", "descriptors")
-
-
 @dataclass(frozen=True)
 class ExpertTiles:
     """The tiles of the expert MLP's four kinds of launch: the one tile settings object
@@ -164,17 +160,6 @@ class ExpertTiles:
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
-
-    def packed(self) -> list[int]:
-        sets = (self.gemm, self.up, self.wgrad, self.wgrad_up)
-        return [int(getattr(t, f) or 0) for t in sets for f in _TILE_FIELDS]
-
-    @classmethod
-    def unpacked(cls, packed: list[int]) -> "ExpertTiles":
-        n = len(_TILE_FIELDS)
-        sets = [dict(zip(_TILE_FIELDS, packed[i : i + n])) for i in range(0, len(packed), n)]
-        return cls(*(GemmTiles(**{**s, "num_programs": s["num_programs"] or None,
-                                  "descriptors": bool(s["descriptors"])}) for s in sets))
 
 
 @triton.jit
