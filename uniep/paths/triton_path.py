@@ -5,11 +5,11 @@ all_to_all transport.
 Shape legend: T local tokens, K experts per token, P = T*K pairs (send order), R rows
 received (expert-major), D model dim, E experts (El on this rank).
 
-The all_to_all path is ``fused_experts`` with the row exchange in the middle, step for step: unscaled
-token rows (and, with scores applied before the experts, their fp32 scores) go to the
-owners; the owners run the gate/up and down GEMMs (``expert_rows_forward``, scores
-applied in the GEMM loads); the output rows come back and are summed per token by
-``topk_combine``. The backward sends the combine-backward rows out, the owners return
+The all_to_all path is ``fused_experts`` with the row exchange in the middle, step for
+step: unscaled token rows (and, with scores applied before the experts, their fp32
+scores) go to the owners; the owners run the gate/up and down GEMMs
+(``expert_rows_forward``, scores applied in the GEMM loads); the output rows come back
+and are summed per token by ``topk_combine``. The backward sends the combine-backward rows out, the owners return
 the rows' input gradients, and the sender sums them (and computes the score gradient)
 with the same kernels. Every value is computed by the same kernel from the same inputs
 as on one rank, so the bits do not depend on the EP degree.
