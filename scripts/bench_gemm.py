@@ -43,9 +43,16 @@ from uniep.kernels.grouped_gemm import (  # noqa: E402
 )
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
 
-# variant name -> config knobs changed from the defaults
+# variant name -> config knobs changed from the defaults; "tiles": GemmTiles fields
+# changed in every launch's tiles; "gathered": the token rows copied to plan order first
+# (as TorchTitan permutes them), so the gate/up and w1/w3 gradient launches read them
+# through descriptors (the copy is timed as its own launch, "gather")
 VARIANTS = {
     "default": {},
+    "flatten": dict(tiles=dict(flatten=True)),
+    "up_bn256": dict(gemm_up_block_n=256),
+    "up_bn256_flatten": dict(gemm_up_block_n=256, tiles=dict(flatten=True)),
+    "gathered": dict(gathered=True),
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),
@@ -62,7 +69,7 @@ VARIANTS = {
 LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads"}
+                  "num_programs", "descriptor_loads", "tiles", "gathered"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -93,20 +100,29 @@ def flops(p: dict) -> dict[str, float]:
     return dict(gate_up=2 * one, down=one, down_dgrad=one, up_dgrad=2 * one, wgrad_down=one, wgrad_up=2 * one)
 
 
-def launches(p: dict, config: UniEPConfig) -> dict:
-    """name -> zero-argument callable of each launch with ``config``'s tiles. The forward
-    outputs that later launches read are computed once here."""
-    tiles = ExpertTiles.from_config(config)
-    gemm, up, wgrad, wgrad_up = tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up
+def launches(p: dict, knobs: dict) -> dict:
+    """name -> zero-argument callable of each launch with a variant's ``knobs``. The
+    forward outputs that later launches read are computed once here."""
+    knobs = dict(knobs)
+    tile_fields, gathered = knobs.pop("tiles", {}), knobs.pop("gathered", False)
+    tiles = ExpertTiles.from_config(dataclasses.replace(UniEPConfig(), **knobs))
+    gemm, up, wgrad, wgrad_up = (dataclasses.replace(t, **tile_fields)
+                                 for t in (tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up))
     P, E = p["P"], p["E"]
     offsets = tile_offsets(p["counts"], gemm.block_m)
-    h, a1, a3 = grouped_gemm(p["x"], p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-                             w2_E=p["w3"], a_row=p["token_of_row"])
+    x, token_of_row = p["x"], p["token_of_row"]
+    extra = {}
+    if gathered:
+        gather_index = token_of_row.long()
+        extra["gather"] = lambda: p["x"][gather_index]
+        x, token_of_row = extra["gather"](), None
+    h, a1, a3 = grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+                             w2_E=p["w3"], a_row=token_of_row)
     d_a1, d_a3 = grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
                               aux=(a1, a3))
     return dict(
-        gate_up=lambda: grouped_gemm(p["x"], p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-                                     w2_E=p["w3"], a_row=p["token_of_row"]),
+        gate_up=lambda: grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
+                                     w2_E=p["w3"], a_row=token_of_row),
         down=lambda: grouped_gemm(h, p["w2"], offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN,
                                   c_row=p["pair_of_row"]),
         down_dgrad=lambda: grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up,
@@ -114,8 +130,9 @@ def launches(p: dict, config: UniEPConfig) -> dict:
         up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
                                       a2=d_a3, w2_E=p["w3"], c_row=p["pair_of_row"]),
         wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, offsets[0], E, tiles=wgrad, out_dtype=p["dtype"]),
-        wgrad_up=lambda: grouped_wgrad(d_a1, p["x"], offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
-                                       b_row=p["token_of_row"], a2=d_a3),
+        wgrad_up=lambda: grouped_wgrad(d_a1, x, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
+                                       b_row=token_of_row, a2=d_a3),
+        **extra,
     )
 
 
@@ -155,7 +172,7 @@ def median_ms(fn, warmup: int, iters: int, device: str) -> float:
 def run_shape(shape: str, names: list[str], args) -> list[dict]:
     p = make_problem(shape, args.device)
     fl = flops(p)
-    base = launches(p, UniEPConfig())
+    base = launches(p, {})
     base_outs = {name: fn() for name, fn in base.items()}
     errs = reference_errors(p, base_outs)
     print(f"{shape}: default launches vs fp32: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
@@ -164,9 +181,14 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
     rows = []
     for variant in names:
         knobs = VARIANTS[variant]
-        fns = launches(p, dataclasses.replace(UniEPConfig(), **knobs))
+        fns = launches(p, knobs)
         bitwise = set(knobs) <= SCHEDULE_KNOBS
         for name, fn in fns.items():
+            if name not in base_outs:  # a variant's own extra launch: timed, nothing to compare
+                fn()
+                ms = median_ms(fn, args.warmup, args.iters, args.device)
+                print(f"{shape} {variant} {name}: {ms:.3f} ms", flush=True)
+                continue
             try:
                 out = fn()
             except Exception as e:  # e.g. ptxas out of registers: the variant cannot run here
@@ -185,6 +207,8 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
             if ok:
                 row["ms"] = median_ms(fn, args.warmup, args.iters, args.device)
                 row["tflops"] = fl[name] / row["ms"] / 1e9
+            print(f"{shape} {variant} {name}: {row['ms']:.3f} ms ({row['tflops']:.0f} TFLOP/s)"
+                  + ("" if ok else " differs from the default"), flush=True)
             rows.append(row)
     return rows
 

@@ -72,13 +72,13 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_gemm
 
-    rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads", "wgrad_bk128_s2"], _bench_gemm_args())
-    assert {(r["variant"], r["launch"]) for r in rows} == {
-        (v, name) for v in ("default", "pointer_loads", "wgrad_bk128_s2") for name in bench_gemm.LAUNCHES
-    }
+    variants = ["default", "pointer_loads", "wgrad_bk128_s2", "flatten", "gathered"]
+    rows = bench_gemm.run_shape("tiny", variants, _bench_gemm_args())
+    assert {(r["variant"], r["launch"]) for r in rows} == {(v, name) for v in variants for name in bench_gemm.LAUNCHES}
     assert all(r["ok"] for r in rows)
     checks = {r["variant"]: r["checked"] for r in rows}
-    assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close"}
+    assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close",
+                      "flatten": "bitwise", "gathered": "bitwise"}
 
 
 def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch):
@@ -89,9 +89,9 @@ def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch)
 
     real = bench_gemm.launches
 
-    def wrong_with_pointers(p, config):
-        fns = real(p, config)
-        if not config.descriptor_loads:
+    def wrong_with_pointers(p, knobs):
+        fns = real(p, knobs)
+        if knobs.get("descriptor_loads") is False:
             right = fns["wgrad_up"]
             fns["wgrad_up"] = lambda: tuple(g * (1 + 1e-4) for g in right())
         return fns
@@ -110,9 +110,9 @@ def test_bench_gemm_reports_a_variant_that_cannot_launch(monkeypatch, capsys):
 
     real = bench_gemm.launches
 
-    def refuses_pointer_loads(p, config):
-        fns = real(p, config)
-        if not config.descriptor_loads:
+    def refuses_pointer_loads(p, knobs):
+        fns = real(p, knobs)
+        if knobs.get("descriptor_loads") is False:
             fns["down"] = lambda: (_ for _ in ()).throw(RuntimeError("Insufficient registers (128)"))
         return fns
 

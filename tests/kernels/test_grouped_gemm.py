@@ -165,3 +165,34 @@ def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():
     copy = stacked(*apart)
     assert copy.data_ptr() not in (apart[0].data_ptr(), apart[1].data_ptr())
     assert torch.equal(copy, torch.cat(apart))
+
+
+def test_wide_swiglu_backward_and_flattened_loop_keep_the_bits():
+    """A SwiGLU-backward tile wider than 128 columns runs its epilogue in two column halves
+    (H = 300: the second half of the last tile is partly past the edge); flattening the
+    tile and reduction loops is a schedule change. Both must give the bits of narrow,
+    unflattened tiles. Negative control: the saved a1 and a3 swapped is caught."""
+    import dataclasses
+
+    from uniep.kernels.grouped_gemm import SWIGLU_BWD
+
+    gen = torch.Generator().manual_seed(11)
+    T, K, E, D, H = 9, 2, 3, 32, 300
+    _, _, counts = make_routing(T, K, E, "random", gen)
+    x = torch.randn(T, D, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen)
+    grad_y = torch.randn(T * K, D, generator=gen)
+    narrow = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
+    for tiles in (dataclasses.replace(TILES, block_n=256), dataclasses.replace(TILES, flatten=True)):
+        other = _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles)
+        assert [torch.equal(a, b) for a, b in zip(narrow, other)] == [True] * len(narrow)
+    _, a1, a3 = narrow[:3]
+
+    def d_a1(tiles, aux):
+        return grouped_gemm(grad_y, w2, tile_offsets(counts, 16), T * K, transpose_w=False, tiles=tiles,
+                            mode=SWIGLU_BWD, aux=aux)[0]
+
+    wide = dataclasses.replace(TILES, block_n=256)
+    assert torch.equal(d_a1(wide, (a1, a3)), d_a1(TILES, (a1, a3)))
+    assert not torch.equal(d_a1(wide, (a3, a1)), d_a1(TILES, (a1, a3)))

@@ -88,6 +88,10 @@ class GemmTiles:
     descriptors: bool = False
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
+    flatten: bool = False
+    """Software-pipeline a program's tile loop and reduction loop as one loop (Triton's
+    ``tl.range(flatten=True)``), so the next tile's loads overlap this tile's epilogue;
+    the bits are the same. Row GEMMs with one reduction loop only."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -262,35 +266,61 @@ def _tile_accumulate(
 
 
 @triton.jit
+def _swiglu_bwd_store(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm,
+                      stride_auxm):
+    """d a1, d a3 of a (rows, cols) block from the gradient ``g`` of h and the saved a1, a3."""
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
+    a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+    a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a1f)
+    silu = a1f * sig
+    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
+    out_ty = c_ptr.dtype.element_ty
+    tl.store(c_ptr + c_offs, (g * a3f * (sig + silu * (1.0 - sig))).to(out_ty), mask=mask_c)
+    tl.store(c2_ptr + c_offs, (g * silu).to(out_ty), mask=mask_c)
+
+
+@triton.jit
 def _tile_store(
     acc, acc3, rows, mask_m, cols, mask_n, c_rows,
     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE: tl.constexpr,
 ):
     """Epilogue of one tile: C rows ``c_rows`` (and the SwiGLU side outputs at ``rows``)."""
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
-    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
-    out_ty = c_ptr.dtype.element_ty
-    if MODE == _SWIGLU_FWD:
-        # Round the pre-activations to the storage dtype first, as separate GEMM and
-        # SwiGLU ops would, so forward and backward see the same a1, a3.
-        a1 = acc.to(out_ty)
-        a3 = acc3.to(out_ty)
-        tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
-        tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
-        a1f = a1.to(tl.float32)
-        h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
-        tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
-    elif MODE == _SWIGLU_BWD:
-        a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-        a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a1f)
-        silu = a1f * sig
-        d_a1 = acc * a3f * (sig + silu * (1.0 - sig))
-        tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
-        tl.store(c2_ptr + c_offs, (acc * silu).to(out_ty), mask=mask_c)
+    if MODE == _SWIGLU_BWD:
+        BLOCK_M: tl.constexpr = acc.shape[0]
+        BLOCK_N: tl.constexpr = acc.shape[1]
+        if BLOCK_N > 128:
+            # Two column halves, one after the other: a wide tile's a1, a3 and gradients
+            # never all live in registers at once (they would spill).
+            HALF: tl.constexpr = BLOCK_N // 2
+            g_lo, g_hi = acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
+            cols_lo, cols_hi = cols.reshape(2, HALF).permute(1, 0).split()
+            mask_lo, mask_hi = mask_n.reshape(2, HALF).permute(1, 0).split()
+            _swiglu_bwd_store(g_lo, rows, mask_m, cols_lo, mask_lo, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
+                              stride_cm, stride_auxm)
+            _swiglu_bwd_store(g_hi, rows, mask_m, cols_hi, mask_hi, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
+                              stride_cm, stride_auxm)
+        else:
+            _swiglu_bwd_store(acc, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
+                              stride_cm, stride_auxm)
     else:
-        tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+        mask_c = mask_m[:, None] & mask_n[None, :]
+        c_offs = c_rows[:, None] * stride_cm + cols[None, :]
+        out_ty = c_ptr.dtype.element_ty
+        if MODE == _SWIGLU_FWD:
+            aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
+            # Round the pre-activations to the storage dtype first, as separate GEMM and
+            # SwiGLU ops would, so forward and backward see the same a1, a3.
+            a1 = acc.to(out_ty)
+            a3 = acc3.to(out_ty)
+            tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
+            tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
+            a1f = a1.to(tl.float32)
+            h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+            tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
+        else:
+            tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
 
 
 @triton.jit
@@ -311,13 +341,13 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr, FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
-    for tile in range(pid, total_tiles, NUM_PROGRAMS):
+    for tile in tl.range(pid, total_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         e, row0, n0, rows, mask_m, cols, mask_n = _tile_coords(
             tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
         )
@@ -451,6 +481,7 @@ def grouped_gemm(
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_descs is not None, B_DESC=b_descs is not None, B_TRANSPOSED=transpose_w,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
+        FLATTEN=tiles.flatten and mode != DUAL,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
