@@ -53,6 +53,7 @@ VARIANTS = {
     "up_bn256": dict(gemm_up_block_n=256),
     "up_bn256_flatten": dict(gemm_up_block_n=256, tiles=dict(flatten=True)),
     "gathered": dict(gathered=True),
+    "gathered_flatten": dict(gathered=True, tiles=dict(flatten=True)),
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),

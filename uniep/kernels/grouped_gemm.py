@@ -89,9 +89,10 @@ class GemmTiles:
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
     flatten: bool = False
-    """Software-pipeline a program's tile loop and reduction loop as one loop (Triton's
-    ``tl.range(flatten=True)``), so the next tile's loads overlap this tile's epilogue;
-    the bits are the same. Row GEMMs with one reduction loop only."""
+    """Software-pipeline a program's tiles and their reduction steps as one loop, so the
+    next tile's loads overlap this tile's epilogue; the bits are the same. Row GEMMs
+    through Triton's ``tl.range(flatten=True)`` (not the two-loop DUAL mode), weight
+    gradients through a loop of their own over (tile, row chunk) steps."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
