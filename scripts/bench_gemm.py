@@ -3,14 +3,16 @@
     python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,pointer_loads,...]
                                  [--warmup 5 --iters 20] [--json out.json]
 
-For each shape (``bench_moe.py``'s): one random top-k routing, then the six grouped-GEMM
-launches of the Triton path as the models use it, scores applied after the experts
-(forward gate/up with SwiGLU, forward down; input-gradient down with the SwiGLU
-backward, input-gradient up; weight gradients of w2 and of w1/w3), each timed alone
-(median of CUDA events after warm-up) under every variant, with its TFLOP/s.
+For each shape (``bench_moe.py``'s): one random top-k routing, then the six GEMM steps
+of the Triton path as the models use it, scores applied after the experts (forward
+gate/up with SwiGLU, forward down; input-gradient down with the SwiGLU backward (two
+launches), input-gradient up; weight gradients of w2 and of w1/w3 (with the copy of
+the token rows it reads)), each timed alone (median of CUDA events after warm-up)
+under every variant, with its TFLOP/s.
 Correctness first: each launch of the default settings against an fp32 PyTorch
 computation of the same rows, and every variant against the default: bitwise where it
-only changes the schedule (warps, stages, programs, descriptor loads), within bf16
+only changes the schedule (warps, stages, programs, descriptor loads, fused or separate
+SwiGLU backward, where rows are gathered), within bf16
 rounding where it changes the tiles. A variant that fails, or cannot launch (e.g. out of registers), is reported and
 not timed.
 Runs on the CPU too (the Triton interpreter, ``--device cpu``, tiny shapes) so its
@@ -41,19 +43,19 @@ from uniep.kernels.grouped_gemm import (  # noqa: E402
     grouped_gemm_reference,
     tile_offsets,
 )
+from uniep.kernels.swiglu import swiglu_backward_  # noqa: E402
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
 
-# variant name -> config knobs changed from the defaults; "tiles": GemmTiles fields
-# changed in every launch's tiles; "gathered": the token rows copied to plan order first
-# (as TorchTitan permutes them), so the gate/up and w1/w3 gradient launches read them
-# through descriptors (the copy is timed as its own launch, "gather")
+# variant name -> config knobs changed from the defaults, or how a launch is done:
+# "swiglu_bwd_fused": the down input gradient with the SwiGLU backward in its epilogue
+# (the megakernel's way, on the gate/up tiles) instead of a plain GEMM and an
+# elementwise launch; "gather_in_wgrad": the w1/w3 gradient gathers its token rows in
+# the kernel (pointer loads) instead of from a copy in plan order
 VARIANTS = {
     "default": {},
-    "flatten": dict(tiles=dict(flatten=True)),
-    "up_bn256": dict(gemm_up_block_n=256),
-    "up_bn256_flatten": dict(gemm_up_block_n=256, tiles=dict(flatten=True)),
-    "gathered": dict(gathered=True),
-    "gathered_flatten": dict(gathered=True, tiles=dict(flatten=True)),
+    "no_flatten": dict(gemm_flatten=False),
+    "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
+    "gather_in_wgrad": dict(gather_in_wgrad=True),
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),
@@ -70,7 +72,7 @@ VARIANTS = {
 LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "tiles", "gathered"}
+                  "num_programs", "descriptor_loads", "gemm_flatten", "swiglu_bwd_fused", "gather_in_wgrad"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -102,38 +104,44 @@ def flops(p: dict) -> dict[str, float]:
 
 
 def launches(p: dict, knobs: dict) -> dict:
-    """name -> zero-argument callable of each launch with a variant's ``knobs``. The
-    forward outputs that later launches read are computed once here."""
+    """name -> zero-argument callable of each launch with a variant's ``knobs``, as
+    ``uniep.kernels.expert_rows`` runs them. The forward outputs that later launches
+    read are computed once here."""
     knobs = dict(knobs)
-    tile_fields, gathered = knobs.pop("tiles", {}), knobs.pop("gathered", False)
+    fused, gather_in_wgrad = knobs.pop("swiglu_bwd_fused", False), knobs.pop("gather_in_wgrad", False)
     tiles = ExpertTiles.from_config(dataclasses.replace(UniEPConfig(), **knobs))
-    gemm, up, wgrad, wgrad_up = (dataclasses.replace(t, **tile_fields)
-                                 for t in (tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up))
-    P, E = p["P"], p["E"]
+    gemm, up, wgrad, wgrad_up = tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up
+    P, E, x, token_of_row = p["P"], p["E"], p["x"], p["token_of_row"]
     offsets = tile_offsets(p["counts"], gemm.block_m)
-    x, token_of_row = p["x"], p["token_of_row"]
-    extra = {}
-    if gathered:
-        gather_index = token_of_row.long()
-        extra["gather"] = lambda: p["x"][gather_index]
-        x, token_of_row = extra["gather"](), None
     h, a1, a3 = grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
                              w2_E=p["w3"], a_row=token_of_row)
-    d_a1, d_a3 = grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
-                              aux=(a1, a3))
+
+    def down_dgrad():
+        if fused:
+            return grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
+                                aux=(a1, a3))
+        pair = p["grad_y"].new_empty(2, *a1.shape)
+        grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
+        return swiglu_backward_(pair, a1, a3)
+
+    def wgrad_up_launch():
+        if gather_in_wgrad:
+            return grouped_wgrad(d_a1, x, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"], b_row=token_of_row,
+                                 a2=d_a3)
+        return grouped_wgrad(d_a1, x.index_select(0, token_of_row), offsets[0], E, tiles=wgrad_up,
+                             out_dtype=p["dtype"], a2=d_a3)
+
+    d_a1, d_a3 = down_dgrad()
     return dict(
         gate_up=lambda: grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
                                      w2_E=p["w3"], a_row=token_of_row),
         down=lambda: grouped_gemm(h, p["w2"], offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN,
                                   c_row=p["pair_of_row"]),
-        down_dgrad=lambda: grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up,
-                                        mode=SWIGLU_BWD, aux=(a1, a3)),
+        down_dgrad=down_dgrad,
         up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
                                       a2=d_a3, w2_E=p["w3"], c_row=p["pair_of_row"]),
         wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, offsets[0], E, tiles=wgrad, out_dtype=p["dtype"]),
-        wgrad_up=lambda: grouped_wgrad(d_a1, x, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
-                                       b_row=token_of_row, a2=d_a3),
-        **extra,
+        wgrad_up=wgrad_up_launch,
     )
 
 
@@ -185,11 +193,6 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
         fns = launches(p, knobs)
         bitwise = set(knobs) <= SCHEDULE_KNOBS
         for name, fn in fns.items():
-            if name not in base_outs:  # a variant's own extra launch: timed, nothing to compare
-                fn()
-                ms = median_ms(fn, args.warmup, args.iters, args.device)
-                print(f"{shape} {variant} {name}: {ms:.3f} ms", flush=True)
-                continue
             try:
                 out = fn()
             except Exception as e:  # e.g. ptxas out of registers: the variant cannot run here

@@ -51,11 +51,11 @@ class UniEPConfig:
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
     Changes the bits of bf16 results."""
     gemm_block_n: int = 256
-    """Output columns per tile of the plain GEMMs: the down projection and the up
-    input gradient (16..256, power of 2). Changes bits."""
+    """Output columns per tile of the plain GEMMs: the down projection and the down
+    and up input gradients (16..256, power of 2). Changes bits."""
     gemm_up_block_n: int = 128
-    """Output columns per tile of the two SwiGLU GEMMs: gate/up (two accumulators, w1 and
-    w3) and the down input gradient (the SwiGLU backward in its epilogue) (16..256,
+    """Output columns per tile of the GEMMs with a SwiGLU epilogue: gate/up (two
+    accumulators, w1 and w3), and in the megakernel the down input gradient (16..256,
     power of 2). Changes bits."""
     gemm_block_k: int = 64
     """Reduction step (16..256, power of 2). Changes bits."""
@@ -64,6 +64,9 @@ class UniEPConfig:
     gemm_num_stages: int = 4
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. Does not change bits."""
+    gemm_flatten: bool = True
+    """The plain GEMMs pipeline a program's tiles and their reduction steps as one loop,
+    so the next tile's loads overlap this tile's stores. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). Changes bits."""

@@ -1,6 +1,7 @@
 """On a CUDA GPU: bf16 parity of the Triton expert block with TorchTitan's MoE (against
 an fp32 computation), bitwise repeatability, and bitwise invariance to the schedule
-knobs (persistent programs, descriptor or pointer loads, stages, warps)."""
+knobs (persistent programs, descriptor or pointer loads, stages, warps, flattened
+loops)."""
 
 import copy
 
@@ -68,6 +69,7 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(descriptor_loads=False),
         dict(gemm_num_stages=3, wgrad_num_stages=2),
         dict(gemm_num_warps=4, wgrad_num_warps=4),
+        dict(gemm_flatten=False),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

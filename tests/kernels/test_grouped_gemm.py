@@ -168,34 +168,21 @@ def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed"])
-def test_wide_swiglu_backward_and_flattened_loops_keep_the_bits(kind):
-    """A SwiGLU-backward tile wider than 128 columns runs its epilogue in two column halves
-    (H = 300: the second half of the last tile is partly past the edge); flattening the
-    tile and reduction loops is a schedule change. Both must give the bits of narrow,
-    unflattened tiles. Negative control: the saved a1 and a3 swapped is caught."""
+def test_flattened_tile_loop_keeps_the_bits(kind):
+    """Flattening a program's tile and reduction loops is a schedule change: every launch
+    (DUAL and the weight gradients ignore it) gives the bits of the plain loops, over
+    empty experts too."""
     import dataclasses
 
-    from uniep.kernels.grouped_gemm import SWIGLU_BWD
-
     gen = torch.Generator().manual_seed(11)
-    T, K, E, D, H = 9, 2, 6, 32, 300
+    T, K, E, D, H = 9, 2, 6, 32, 40
     _, _, counts = make_routing(T, K, E, kind, gen)
-    assert kind != "skewed" or (counts == 0).any()  # an expert with no rows still gets its zeros
+    assert kind != "skewed" or (counts == 0).any()
     x = torch.randn(T, D, generator=gen)
     w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
     w2 = torch.randn(E, D, H, generator=gen)
     grad_y = torch.randn(T * K, D, generator=gen)
-    narrow = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
-    for tiles in (dataclasses.replace(TILES, block_n=256), dataclasses.replace(TILES, flatten=True),
-                  dataclasses.replace(TILES, flatten=True, descriptors=True)):
-        other = _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles)
-        assert [torch.equal(a, b) for a, b in zip(narrow, other)] == [True] * len(narrow)
-    _, a1, a3 = narrow[:3]
-
-    def d_a1(tiles, aux):
-        return grouped_gemm(grad_y, w2, tile_offsets(counts, 16), T * K, transpose_w=False, tiles=tiles,
-                            mode=SWIGLU_BWD, aux=aux)[0]
-
-    wide = dataclasses.replace(TILES, block_n=256)
-    assert torch.equal(d_a1(wide, (a1, a3)), d_a1(TILES, (a1, a3)))
-    assert not torch.equal(d_a1(wide, (a3, a1)), d_a1(TILES, (a1, a3)))
+    plain = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
+    for tiles in (dataclasses.replace(TILES, flatten=True), dataclasses.replace(TILES, flatten=True, descriptors=True)):
+        flat = _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles)
+        assert [torch.equal(a, b) for a, b in zip(plain, flat)] == [True] * len(plain)

@@ -11,8 +11,9 @@ where ``s`` is each row's score when scores are applied before the experts (roun
 the rows' dtype after scaling), else 1. The GEMMs may gather their input rows
 (``source_row``: the plan row's row of ``rows``, e.g. its token) and scatter their
 outputs (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside
-the kernels; the output gradient is read in plan order (contiguous rows: the copy
-engine loads them) and the input-row gradient written in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+the kernels (the w1/w3 gradient reads a gathered copy); the output gradient is read
+in plan order (contiguous rows: the copy engine loads them) and the input-row gradient
+written in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
 
 The backward is three steps, so a caller can release each temporary as soon as it is
 used: ``down_backward`` (SwiGLU backward, w2 gradient), ``rows_input_grad``,
@@ -28,12 +29,12 @@ import torch
 from uniep.kernels.grouped_gemm import (
     DUAL,
     PLAIN,
-    SWIGLU_BWD,
     SWIGLU_FWD,
     ExpertTiles,
     grouped_gemm,
     tile_offsets,
 )
+from uniep.kernels.swiglu import swiglu_backward_
 from uniep.kernels.wgrad import grouped_wgrad
 
 
@@ -90,12 +91,15 @@ def expert_rows_forward(
 
 def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
     """(d_a1, d_a3 (R, H), grad w2) from ``grad_y`` (R, D) in plan order: d h = grad_y @
-    w2[e] with the SwiGLU backward in the epilogue, and the w2 gradient (one program per
-    tile, the expert's rows in order)."""
+    w2[e] (a plain GEMM on the wide tiles, into the first half of the d_a1/d_a3 pair),
+    then the SwiGLU backward in place (a fused epilogue at the wide tiles would spill),
+    and the w2 gradient (one program per tile, the expert's rows in order)."""
     w2 = state.weight(1)
     grad_y = grad_y.contiguous()
-    d_a1, d_a3 = grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.up,
-                              mode=SWIGLU_BWD, aux=(state.a1, state.a3))
+    pair = grad_y.new_empty(2, *state.a1.shape)
+    grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=PLAIN,
+                 out=pair[0])
+    d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
     grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
                             out_dtype=state.weights[1].dtype)
     return d_a1, d_a3, grad_w2
@@ -110,10 +114,14 @@ def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsSta
 
 
 def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
-    """(grad w1, grad w3) in the weights' dtypes, from one launch."""
+    """(grad w1, grad w3) in the weights' dtypes, from one launch. Gathered input rows
+    are copied to plan order first (a transient (R, D) copy): the kernel then loads them
+    through the copy engine, which cannot gather (about a third faster at the model
+    shapes, copy included; ``benchmarks/RESULTS.md``)."""
     w1, _, w3 = state.weights
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
-                                     out_dtype=w1.dtype, b_row=state.source_row, b_scale=state.scale_R, a2=d_a3)
+    rows = state.rows if state.source_row is None else state.rows.index_select(0, state.source_row)
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
+                                     out_dtype=w1.dtype, b_scale=state.scale_R, a2=d_a3)
     return grad_w1, grad_w3.to(w3.dtype)
 
 

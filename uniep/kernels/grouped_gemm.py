@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from uniep.kernels.swiglu import swiglu_backward_math
+
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # Kernels may only read globals that are constexpr objects.
 _SWIGLU_FWD, _SWIGLU_BWD, _DUAL = tl.constexpr(SWIGLU_FWD), tl.constexpr(SWIGLU_BWD), tl.constexpr(DUAL)
@@ -89,10 +91,10 @@ class GemmTiles:
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
     flatten: bool = False
-    """Software-pipeline a program's tiles and their reduction steps as one loop, so the
-    next tile's loads overlap this tile's epilogue; the bits are the same. Row GEMMs
-    through Triton's ``tl.range(flatten=True)`` (not the two-loop DUAL mode), weight
-    gradients through a loop of their own over (tile, row chunk) steps."""
+    """Software-pipeline a program's tile loop and reduction loop as one (Triton's
+    ``tl.range(flatten=True)``), so the next tile's loads overlap this tile's epilogue;
+    the bits are the same. Row GEMMs with one reduction loop (not DUAL); weight
+    gradients, whose reductions differ in length per expert, ignore it."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -133,10 +135,10 @@ class ExpertTiles:
     of every Triton path (one rank, all_to_all, megakernel)."""
 
     gemm: GemmTiles
-    """The plain GEMMs: down projection, up input gradient."""
+    """The plain GEMMs: down projection, down and up input gradients."""
     up: GemmTiles
-    """The two SwiGLU GEMMs: gate/up (two accumulators) and the down input gradient (the
-    SwiGLU backward in its epilogue)."""
+    """The GEMMs with a SwiGLU epilogue: gate/up (two accumulators); in the megakernel
+    also the down input gradient (the SwiGLU backward in its epilogue)."""
     wgrad: GemmTiles
     """The w2 gradient."""
     wgrad_up: GemmTiles
@@ -160,10 +162,12 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads)
+                         programs, c.descriptor_loads, c.gemm_flatten)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
-        return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
+        # The gate/up launch is not flattened: its two accumulators leave no registers for
+        # the next tile's loads (slower at the Qwen3 shape, benchmarks/RESULTS.md).
+        return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n, flatten=False),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
 
@@ -267,61 +271,35 @@ def _tile_accumulate(
 
 
 @triton.jit
-def _swiglu_bwd_store(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm,
-                      stride_auxm):
-    """d a1, d a3 of a (rows, cols) block from the gradient ``g`` of h and the saved a1, a3."""
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
-    a1f = tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-    a3f = tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(a1f)
-    silu = a1f * sig
-    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
-    out_ty = c_ptr.dtype.element_ty
-    tl.store(c_ptr + c_offs, (g * a3f * (sig + silu * (1.0 - sig))).to(out_ty), mask=mask_c)
-    tl.store(c2_ptr + c_offs, (g * silu).to(out_ty), mask=mask_c)
-
-
-@triton.jit
 def _tile_store(
     acc, acc3, rows, mask_m, cols, mask_n, c_rows,
     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE: tl.constexpr,
 ):
     """Epilogue of one tile: C rows ``c_rows`` (and the SwiGLU side outputs at ``rows``)."""
-    if MODE == _SWIGLU_BWD:
-        BLOCK_M: tl.constexpr = acc.shape[0]
-        BLOCK_N: tl.constexpr = acc.shape[1]
-        if BLOCK_N > 128:
-            # Two column halves, one after the other: a wide tile's a1, a3 and gradients
-            # never all live in registers at once (they would spill).
-            HALF: tl.constexpr = BLOCK_N // 2
-            g_lo, g_hi = acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
-            cols_lo, cols_hi = cols.reshape(2, HALF).permute(1, 0).split()
-            mask_lo, mask_hi = mask_n.reshape(2, HALF).permute(1, 0).split()
-            _swiglu_bwd_store(g_lo, rows, mask_m, cols_lo, mask_lo, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                              stride_cm, stride_auxm)
-            _swiglu_bwd_store(g_hi, rows, mask_m, cols_hi, mask_hi, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                              stride_cm, stride_auxm)
-        else:
-            _swiglu_bwd_store(acc, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                              stride_cm, stride_auxm)
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
+    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
+    out_ty = c_ptr.dtype.element_ty
+    if MODE == _SWIGLU_FWD:
+        # Round the pre-activations to the storage dtype first, as separate GEMM and
+        # SwiGLU ops would, so forward and backward see the same a1, a3.
+        a1 = acc.to(out_ty)
+        a3 = acc3.to(out_ty)
+        tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
+        tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
+        a1f = a1.to(tl.float32)
+        h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+        tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
+    elif MODE == _SWIGLU_BWD:
+        # The gradient of h rounded to the storage dtype first, as the separate GEMM and
+        # SwiGLU backward (``uniep.kernels.swiglu``) compute it: the same bits either way.
+        d_a1, d_a3 = swiglu_backward_math(acc.to(out_ty).to(tl.float32),
+                                          tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0),
+                                          tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0))
+        tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
+        tl.store(c2_ptr + c_offs, d_a3.to(out_ty), mask=mask_c)
     else:
-        mask_c = mask_m[:, None] & mask_n[None, :]
-        c_offs = c_rows[:, None] * stride_cm + cols[None, :]
-        out_ty = c_ptr.dtype.element_ty
-        if MODE == _SWIGLU_FWD:
-            aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
-            # Round the pre-activations to the storage dtype first, as separate GEMM and
-            # SwiGLU ops would, so forward and backward see the same a1, a3.
-            a1 = acc.to(out_ty)
-            a3 = acc3.to(out_ty)
-            tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
-            tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
-            a1f = a1.to(tl.float32)
-            h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
-            tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
-        else:
-            tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+        tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
 
 
 @triton.jit
@@ -438,9 +416,11 @@ def grouped_gemm(
     c_row: torch.Tensor | None = None,
     out_rows: int | None = None,
     aux: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Launch the grouped GEMM (see the module docstring). ``num_rows`` = R, a host-side
     upper bound of the plan's rows (used to size outputs and the grid; no sync).
+    ``out``: a contiguous (rows, N) tensor to write C into (PLAIN and DUAL).
 
     Returns ``C`` (PLAIN, DUAL), ``(h, a1, a3)`` (SWIGLU_FWD) or ``(d_a1, d_a3)`` (SWIGLU_BWD).
     """
@@ -453,7 +433,13 @@ def grouped_gemm(
     if w2_E is not None and (w2_E.shape != w_E.shape or w2_E.stride() != w_E.stride()):
         raise ValueError("grouped_gemm: the second weight must have the first one's shape and strides")
     rows_c = num_rows if out_rows is None else out_rows
-    c, c2 = pair_buffer(a, rows_c, N) if mode == SWIGLU_BWD else (a.new_empty(rows_c, N),) * 2
+    if out is not None and (mode in (SWIGLU_FWD, SWIGLU_BWD) or out.shape != (rows_c, N) or not out.is_contiguous()):
+        raise ValueError(f"grouped_gemm: out must be a contiguous ({rows_c}, {N}) tensor, for PLAIN or DUAL; "
+                         f"got {tuple(out.shape)} in mode {mode}")
+    if mode == SWIGLU_BWD:
+        c, c2 = pair_buffer(a, rows_c, N)
+    else:
+        c = c2 = a.new_empty(rows_c, N) if out is None else out
     if mode == SWIGLU_FWD:
         aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
     aux1, aux3 = aux if aux is not None else (c, c)

@@ -133,88 +133,6 @@ def _grouped_wgrad_kernel(
                 tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
 
 
-@triton.jit
-def _tile_of(tile, m_tiles, n_tiles, expert_offsets_ptr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Output tile ``tile`` -> (expert, first M column, first N column, half, first row, end
-    row, row chunks (at least one: an expert with no rows still writes its zeros))."""
-    stacked_tiles = HALVES * n_tiles
-    e = tile // (m_tiles * stacked_tiles)
-    m0 = (tile // stacked_tiles % m_tiles) * BLOCK_M
-    n_stacked = tile % stacked_tiles
-    row_start = tl.load(expert_offsets_ptr + e)
-    row_end = tl.load(expert_offsets_ptr + e + 1)
-    chunks = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_K), 1)
-    return e, m0, (n_stacked % n_tiles) * BLOCK_N, n_stacked // n_tiles, row_start, row_end, chunks
-
-
-@triton.jit
-def _grouped_wgrad_flat_kernel(
-    a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr, b_desc, c_ptr, c2_ptr, expert_offsets_ptr,
-    M, N, num_experts, rows_b,
-    stride_am, stride_bm, stride_ce, stride_cm,
-    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The same tiles, chunks and order as ``_grouped_wgrad_kernel``, as one loop over a
-    program's (tile, row chunk) steps, so the loads of the next tile's first chunks
-    overlap this tile's last ones and its store. A's loads are masked to the expert's
-    rows in every chunk; B's (through the descriptor) may run past them into the next
-    expert's rows, which meet A's zeros."""
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tiles_per_expert = m_tiles * HALVES * n_tiles
-    # This program's steps: over experts, (its tiles of the expert) x (the expert's chunks).
-    experts = tl.arange(0, E_POW2)
-    mask_e = experts < num_experts
-    lo = tl.load(expert_offsets_ptr + experts, mask=mask_e, other=0)
-    hi = tl.load(expert_offsets_ptr + experts + 1, mask=mask_e, other=0)
-    first, end = experts * tiles_per_expert, (experts + 1) * tiles_per_expert
-    mine = tl.maximum(end - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS - tl.maximum(first - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
-    steps = tl.sum(tl.where(mask_e, mine * tl.maximum(tl.cdiv(hi - lo, BLOCK_K), 1), 0))
-
-    tile = pid - NUM_PROGRAMS
-    chunk = 0
-    e, m0, n0, half, row_start, row_end, chunks = _tile_of(pid, m_tiles, n_tiles, expert_offsets_ptr, HALVES,
-                                                           BLOCK_M, BLOCK_N, BLOCK_K)
-    chunks = 0  # the first step starts a tile
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in tl.range(0, steps, num_stages=NUM_STAGES):
-        if chunk == chunks:
-            tile += NUM_PROGRAMS
-            e, m0, n0, half, row_start, row_end, chunks = _tile_of(tile, m_tiles, n_tiles, expert_offsets_ptr,
-                                                                   HALVES, BLOCK_M, BLOCK_N, BLOCK_K)
-            chunk = 0
-        r = row_start + chunk * BLOCK_K
-        rows = r + tl.arange(0, BLOCK_K)
-        mask_r = rows < row_end
-        cols_m = m0 + tl.arange(0, BLOCK_M)
-        cols_n = n0 + tl.arange(0, BLOCK_N)
-        mask_m = cols_m < M
-        mask_n = cols_n < N
-        b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, half * rows_b, cols_n, n0, mask_n,
-                      stride_bm, HAS_B_ROW, HAS_B_SCALE, B_DESC)
-        a = _row_tile(a_ptr, a_ptr, a_row_ptr, a_scale_ptr, rows, mask_r, r, 0, cols_m, m0, mask_m, stride_am,
-                      HAS_A_ROW, HAS_A_SCALE, False)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-        chunk += 1
-        if chunk == chunks:
-            c_mask = mask_m[:, None] & mask_n[None, :]
-            if HALVES == 1:
-                c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
-                tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
-                if half == 0:
-                    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-                else:
-                    tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
 def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
     """(2 * rows, cols): ``a`` and ``a2`` as one tensor; a view where ``a2`` directly follows
     ``a`` in memory (as ``pair_buffer`` lays them out), else a copy."""
@@ -272,21 +190,6 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
             a_desc = descriptor(a, [tiles.block_k, tiles.block_m])
         if b_row is None:
             b_desc = descriptor(b, [tiles.block_k, tiles.block_n])
-    if tiles.flatten:
-        _grouped_wgrad_flat_kernel[(programs,)](
-            a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
-            b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
-            dummy if b_desc is None else b_desc, c, c2, expert_offsets,
-            M, N, num_experts, b.shape[0] // halves,
-            a.stride(0), b.stride(0), c.stride(0), c.stride(1),
-            HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None,
-            HAS_B_SCALE=b_scale is not None, HALVES=halves, B_DESC=b_desc is not None,
-            NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages, E_POW2=triton.next_power_of_2(num_experts),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            DOT_PRECISION=dot_precision(a.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )
-        return
     _grouped_wgrad_kernel[(programs,)](
         a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,

@@ -1,0 +1,57 @@
+"""SwiGLU backward launch: against autograd in fp32, in place on the pair buffer, and the
+same bits as the fused SwiGLU-backward epilogue of the grouped GEMM (the megakernel's)."""
+
+import pytest
+import torch
+
+from tests.kernels.routing import make_routing
+from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_BWD, GemmTiles, grouped_gemm, tile_offsets
+from uniep.kernels.swiglu import swiglu_backward_, swiglu_backward_reference
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_matches_autograd_in_place(dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    R, H = 37, 24  # R * H not a multiple of the block
+    pair = torch.empty(2, R, H, dtype=dtype)
+    g = (torch.randn(R, H, generator=gen) * 3).to(dtype)
+    a1, a3 = ((torch.randn(R, H, generator=gen) * 4).to(dtype) for _ in range(2))
+    pair[0] = g
+    d_a1, d_a3 = swiglu_backward_(pair, a1, a3)
+    assert d_a1.data_ptr() == pair.data_ptr() and d_a3.data_ptr() == pair[1].data_ptr()
+    ref1, ref3 = swiglu_backward_reference(g, a1, a3)
+    for got, ref in ((d_a1, ref1), (d_a3, ref3)):
+        assert ((got.float() - ref).norm() / ref.norm()).item() < tol
+    # negative control: a1 and a3 swapped is far off
+    pair[0] = g
+    wrong, _ = swiglu_backward_(pair, a3, a1)
+    assert ((wrong.float() - ref1).norm() / ref1.norm()).item() > 0.1
+
+
+def test_rejects_buffers_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"pair must be a contiguous \(2, R, H\) buffer"):
+        swiglu_backward_(torch.empty(3, 4, 5), torch.empty(4, 5), torch.empty(4, 5))
+    with pytest.raises(ValueError, match="a1, a3 must be contiguous"):
+        swiglu_backward_(torch.empty(2, 4, 5), torch.empty(4, 6), torch.empty(4, 6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_separate_launches_give_the_bits_of_the_fused_epilogue(dtype):
+    """The down input gradient as a plain GEMM (wide tiles) plus this launch, and as one
+    GEMM with the SwiGLU backward in its epilogue (the megakernel's): the gradient of h is
+    rounded to the storage dtype in both, so the bits agree (fp16: the rounding matters)."""
+    gen = torch.Generator().manual_seed(4)
+    T, K, E, D, H = 11, 2, 4, 32, 48
+    _, _, counts = make_routing(T, K, E, "skewed", gen)
+    P = T * K
+    grad_y = torch.randn(P, D, generator=gen).to(dtype)
+    w2 = (torch.randn(E, D, H, generator=gen) * 0.3).to(dtype)
+    a1, a3 = (torch.randn(P, H, generator=gen).to(dtype) for _ in range(2))
+    offsets = tile_offsets(counts, 16)
+    fused = grouped_gemm(grad_y, w2, offsets, P, transpose_w=False, tiles=GemmTiles(16, 16, 16, num_programs=3),
+                         mode=SWIGLU_BWD, aux=(a1, a3))
+    pair = grad_y.new_empty(2, P, H)
+    grouped_gemm(grad_y, w2, offsets, P, transpose_w=False, tiles=GemmTiles(16, 32, 16, num_programs=2), mode=PLAIN,
+                 out=pair[0])
+    separate = swiglu_backward_(pair, a1, a3)
+    assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])

@@ -1,0 +1,68 @@
+"""SwiGLU backward as its own elementwise launch, in place over the GEMM's output.
+
+Shape legend: R rows (the plan's order), H expert hidden dim.
+
+Forward: ``h = silu(a1) * a3``. Given the gradient ``g`` of h (rounded to the storage
+dtype, as the down input-gradient GEMM stores it)::
+
+    d a1 = g * a3 * sigmoid(a1) * (1 + a1 * (1 - sigmoid(a1)))
+    d a3 = g * silu(a1)
+
+in fp32, rounded to the storage dtype. ``swiglu_backward_math`` is the one formula: the
+fused epilogue of the SwiGLU-backward GEMM (``grouped_gemm``'s ``SWIGLU_BWD``, used by
+the megakernel) and this launch both call it, so the separate and the fused backward
+give the same bits.
+
+The launch works in place on a (2, R, H) pair buffer: ``pair[0]`` holds g on entry and
+d a1 on return, ``pair[1]`` receives d a3 (the layout the w1/w3 weight gradient reads
+as one stacked operand).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def swiglu_backward_math(g, a1, a3):
+    """(d a1, d a3) in fp32 from fp32 ``g`` and the saved pre-activations."""
+    a1f = a1.to(tl.float32)
+    a3f = a3.to(tl.float32)
+    sig = tl.sigmoid(a1f)
+    silu = a1f * sig
+    return g * a3f * (sig + silu * (1.0 - sig)), g * silu
+
+
+@triton.jit
+def _swiglu_backward_kernel(pair_ptr, a1_ptr, a3_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(pair_ptr + offs, mask=mask).to(tl.float32)
+    d_a1, d_a3 = swiglu_backward_math(g, tl.load(a1_ptr + offs, mask=mask), tl.load(a3_ptr + offs, mask=mask))
+    out_ty = pair_ptr.dtype.element_ty
+    tl.store(pair_ptr + offs, d_a1.to(out_ty), mask=mask)
+    tl.store(pair_ptr + n + offs, d_a3.to(out_ty), mask=mask)
+
+
+def swiglu_backward_(pair: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on ``pair`` (2, R, H), whose ``pair[0]`` holds g: returns (d a1, d a3),
+    its two halves."""
+    if pair.dim() != 3 or pair.shape[0] != 2 or not pair.is_contiguous():
+        raise ValueError(f"swiglu_backward_: pair must be a contiguous (2, R, H) buffer; got {tuple(pair.shape)}")
+    if a1.shape != pair.shape[1:] or a3.shape != a1.shape or not (a1.is_contiguous() and a3.is_contiguous()):
+        raise ValueError(f"swiglu_backward_: a1, a3 must be contiguous {tuple(pair.shape[1:])}; "
+                         f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
+    n = a1.numel()
+    if n:
+        block = 2048
+        _swiglu_backward_kernel[(triton.cdiv(n, block),)](pair, a1, a3, n, BLOCK=block, num_warps=8)
+    return pair[0], pair[1]
+
+
+def swiglu_backward_reference(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 PyTorch (d a1, d a3) through autograd of ``silu(a1) * a3``."""
+    a1f, a3f = a1.float().requires_grad_(True), a3.float().requires_grad_(True)
+    torch.autograd.backward(torch.nn.functional.silu(a1f) * a3f, g.float())
+    return a1f.grad, a3f.grad
