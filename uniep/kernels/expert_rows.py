@@ -49,18 +49,20 @@ class ExpertRowsState:
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """w1, w2, w3 as given (in their own dtypes: a compute-dtype copy is not kept
     between the forward and the backward)."""
-    h: torch.Tensor
-    a1: torch.Tensor
-    a3: torch.Tensor
+    h: torch.Tensor | None
+    a1: torch.Tensor | None
+    a3: torch.Tensor | None
+    """The forward activations; ``down_backward`` releases them once used (a UniEP
+    backward runs once), so the w1/w3 gradient's temporaries take their place."""
     offsets: tuple[torch.Tensor, torch.Tensor]
 
     @property
     def num_rows(self) -> int:
-        return self.h.shape[0]
+        return self.rows.shape[0] if self.source_row is None else self.source_row.shape[0]
 
     def weight(self, i: int) -> torch.Tensor:
         """w1, w2 or w3 (i = 0, 1, 2) in the rows' dtype."""
-        return self.weights[i].to(self.h.dtype)
+        return self.weights[i].to(self.rows.dtype)
 
 
 def expert_rows_forward(
@@ -93,15 +95,18 @@ def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTil
     """(d_a1, d_a3 (R, H), grad w2) from ``grad_y`` (R, D) in plan order: d h = grad_y @
     w2[e] (a plain GEMM on the wide tiles, into the first half of the d_a1/d_a3 pair),
     then the SwiGLU backward in place (a fused epilogue at the wide tiles would spill),
-    and the w2 gradient (one program per tile, the expert's rows in order)."""
+    and the w2 gradient (one program per tile, the expert's rows in order). Releases
+    the state's activations."""
     w2 = state.weight(1)
     grad_y = grad_y.contiguous()
     pair = grad_y.new_empty(2, *state.a1.shape)
     grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=PLAIN,
                  out=pair[0])
     d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
+    state.a1 = state.a3 = None
     grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
                             out_dtype=state.weights[1].dtype)
+    state.h = None
     return d_a1, d_a3, grad_w2
 
 

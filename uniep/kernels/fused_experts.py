@@ -56,14 +56,17 @@ class _FusedExperts(torch.autograd.Function):
         y_PD, state = expert_rows_forward(x_TD, row_scale, rows_per_expert_E, w1, w2, w3, tiles,
                                           source_row=source_row, target_row=target_row)
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
-        ctx.save_for_backward(x_TD, scores_TK, send_order_P, y_PD)
-        ctx.state, ctx.score_before, ctx.tiles = state, score_before, tiles
+        ctx.save_for_backward(x_TD, scores_TK, send_order_P)
+        # Held outside the saved tensors so the backward can release it once used (the
+        # layer's custom op differentiates this graph exactly once).
+        ctx.y_PD, ctx.state, ctx.score_before, ctx.tiles = y_PD, state, score_before, tiles
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, scores_TK, send_order_P, y_PD = ctx.saved_tensors
-        state, score_before, tiles = ctx.state, ctx.score_before, ctx.tiles
+        x_TD, scores_TK, send_order_P = ctx.saved_tensors
+        y_PD, state, score_before, tiles = ctx.y_PD, ctx.state, ctx.score_before, ctx.tiles
+        ctx.y_PD = None
         K = scores_TK.shape[1]
         # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
         # the scores when applied after the experts. The launches' order keeps one (P, D)
@@ -72,6 +75,7 @@ class _FusedExperts(torch.autograd.Function):
         plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
         grad_y_RD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
                                                   None if score_before else scores_TK, K, row_of_pair=plan_row)
+        del y_PD
         d_a1, d_a3, grad_w2 = down_backward(grad_y_RD, state, tiles)
         del grad_y_RD
         d_rows_PD = rows_input_grad(d_a1, d_a3, state, tiles)
