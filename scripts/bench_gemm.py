@@ -5,9 +5,9 @@
 
 For each shape (``bench_moe.py``'s): one random top-k routing, then the six GEMM steps
 of the Triton path as the models use it, scores applied after the experts (forward
-gate/up with SwiGLU, forward down; input-gradient down with the SwiGLU backward (two
-launches), input-gradient up; weight gradients of w2 and of w1/w3 (with the copy of
-the token rows it reads)), each timed alone (median of CUDA events after warm-up)
+the copy of the token rows in plan order, gate/up with SwiGLU, down; input-gradient
+down with the SwiGLU backward (two launches), input-gradient up; weight gradients of
+w2 and of w1/w3), each timed alone (median of CUDA events after warm-up)
 under every variant, with its TFLOP/s.
 Correctness first: each launch of the default settings against an fp32 PyTorch
 computation of the same rows, and every variant against the default: bitwise where it
@@ -49,13 +49,14 @@ from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: 
 # variant name -> config knobs changed from the defaults, or how a launch is done:
 # "swiglu_bwd_fused": the down input gradient with the SwiGLU backward in its epilogue
 # (the megakernel's way, on the gate/up tiles) instead of a plain GEMM and an
-# elementwise launch; "gather_in_wgrad": the w1/w3 gradient gathers its token rows in
-# the kernel (pointer loads) instead of from a copy in plan order
+# elementwise launch; "gather_in_kernel": the gate/up launch and the w1/w3 gradient
+# gather their token rows in the kernel (pointer loads) instead of reading a plan-order
+# copy through descriptors
 VARIANTS = {
     "default": {},
     "no_flatten": dict(gemm_flatten=False),
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
-    "gather_in_wgrad": dict(gather_in_wgrad=True),
+    "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),
@@ -69,10 +70,10 @@ VARIANTS = {
     "wgrad_bm256_w8": dict(wgrad_block_m=256, wgrad_block_n=128, wgrad_up_block_n=128),
     "programs_264": dict(num_programs=264),
 }
-LAUNCHES = ("gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
+LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "gemm_flatten", "swiglu_bwd_fused", "gather_in_wgrad"}
+                  "num_programs", "descriptor_loads", "gemm_flatten", "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -100,7 +101,8 @@ def make_problem(shape: str, device: str, seed: int = 0) -> dict:
 def flops(p: dict) -> dict[str, float]:
     P, D, H = p["P"], p["D"], p["H"]
     one = 2 * P * D * H
-    return dict(gate_up=2 * one, down=one, down_dgrad=one, up_dgrad=2 * one, wgrad_down=one, wgrad_up=2 * one)
+    return dict(gather_rows=0, gate_up=2 * one, down=one, down_dgrad=one, up_dgrad=2 * one, wgrad_down=one,
+                wgrad_up=2 * one)
 
 
 def launches(p: dict, knobs: dict) -> dict:
@@ -108,13 +110,22 @@ def launches(p: dict, knobs: dict) -> dict:
     ``uniep.kernels.expert_rows`` runs them. The forward outputs that later launches
     read are computed once here."""
     knobs = dict(knobs)
-    fused, gather_in_wgrad = knobs.pop("swiglu_bwd_fused", False), knobs.pop("gather_in_wgrad", False)
+    fused, gather_in_kernel = knobs.pop("swiglu_bwd_fused", False), knobs.pop("gather_in_kernel", False)
     tiles = ExpertTiles.from_config(dataclasses.replace(UniEPConfig(), **knobs))
     gemm, up, wgrad, wgrad_up = tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up
     P, E, x, token_of_row = p["P"], p["E"], p["x"], p["token_of_row"]
     offsets = tile_offsets(p["counts"], gemm.block_m)
-    h, a1, a3 = grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-                             w2_E=p["w3"], a_row=token_of_row)
+
+    def gather_rows():
+        return x if gather_in_kernel else x.index_select(0, token_of_row)
+
+    rows, row_index = gather_rows(), (token_of_row if gather_in_kernel else None)
+
+    def gate_up():
+        return grouped_gemm(rows, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD, w2_E=p["w3"],
+                            a_row=row_index)
+
+    h, a1, a3 = gate_up()
 
     def down_dgrad():
         if fused:
@@ -124,24 +135,18 @@ def launches(p: dict, knobs: dict) -> dict:
         grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
         return swiglu_backward_(pair, a1, a3)
 
-    def wgrad_up_launch():
-        if gather_in_wgrad:
-            return grouped_wgrad(d_a1, x, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"], b_row=token_of_row,
-                                 a2=d_a3)
-        return grouped_wgrad(d_a1, x.index_select(0, token_of_row), offsets[0], E, tiles=wgrad_up,
-                             out_dtype=p["dtype"], a2=d_a3)
-
     d_a1, d_a3 = down_dgrad()
     return dict(
-        gate_up=lambda: grouped_gemm(x, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD,
-                                     w2_E=p["w3"], a_row=token_of_row),
+        **({} if gather_in_kernel else dict(gather_rows=gather_rows)),
+        gate_up=gate_up,
         down=lambda: grouped_gemm(h, p["w2"], offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN,
                                   c_row=p["pair_of_row"]),
         down_dgrad=down_dgrad,
         up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
                                       a2=d_a3, w2_E=p["w3"], c_row=p["pair_of_row"]),
         wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, offsets[0], E, tiles=wgrad, out_dtype=p["dtype"]),
-        wgrad_up=wgrad_up_launch,
+        wgrad_up=lambda: grouped_wgrad(d_a1, rows, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
+                                       b_row=row_index, a2=d_a3),
     )
 
 
@@ -221,14 +226,18 @@ def print_table(rows: list[dict]) -> None:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         sub = [r for r in rows if r["shape"] == shape]
         variants = list(dict.fromkeys(r["variant"] for r in sub))
-        print(f"\n{shape}: ms (TFLOP/s) per launch; X = differs from the default (not timed)")
+        print(f"\n{shape}: ms (TFLOP/s) per launch; X = differs from the default (not timed), - = no such launch")
         print("| variant | " + " | ".join(LAUNCHES) + " | total ms |")
         print("|---" * (len(LAUNCHES) + 2) + "|")
         for v in variants:
             cells, total = [], 0.0
             for name in LAUNCHES:
-                r = next(r for r in sub if r["variant"] == v and r["launch"] == name)
-                cells.append(f"{r['ms']:.3f} ({r['tflops']:.0f})" if r["ok"] else "X")
+                r = next((r for r in sub if r["variant"] == v and r["launch"] == name), None)
+                if r is None:  # not a launch of this variant
+                    cells.append("-")
+                    continue
+                timed = f"{r['ms']:.3f}" + (f" ({r['tflops']:.0f})" if r["tflops"] else "")
+                cells.append(timed if r["ok"] else "X")
                 total += r["ms"] if r["ok"] else float("nan")
             print(f"| {v} | " + " | ".join(cells) + f" | {total:.3f} |")
 

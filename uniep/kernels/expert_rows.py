@@ -8,12 +8,13 @@ E local experts.
     h = silu(s * rows @ w1[e]^T) * (s * rows @ w3[e]^T)        y = h @ w2[e]^T
 
 where ``s`` is each row's score when scores are applied before the experts (rounded to
-the rows' dtype after scaling), else 1. The GEMMs may gather their input rows
-(``source_row``: the plan row's row of ``rows``, e.g. its token) and scatter their
-outputs (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside
-the kernels (the w1/w3 gradient reads a gathered copy); the output gradient is read
-in plan order (contiguous rows: the copy engine loads them) and the input-row gradient
-written in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+the rows' dtype after scaling), else 1. Input rows given through ``source_row`` (the
+plan row's row of ``rows``, e.g. its token) are copied to plan order once, in the
+forward: the copy engine (TMA) loads contiguous rows but cannot gather, and the gate/up
+launch and the w1/w3 gradient both read the copy. Outputs may be scattered
+(``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside the
+kernels; the output gradient is read in plan order and the input-row gradient written
+in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
 
 The backward is three steps, so a caller can release each temporary as soon as it is
 used: ``down_backward`` (SwiGLU backward, w2 gradient), ``rows_input_grad``,
@@ -43,7 +44,7 @@ class ExpertRowsState:
     """What the backward needs from the forward."""
 
     rows: torch.Tensor
-    source_row: torch.Tensor | None
+    """The input rows in plan order."""
     target_row: torch.Tensor | None
     scale_R: torch.Tensor | None
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -58,7 +59,7 @@ class ExpertRowsState:
 
     @property
     def num_rows(self) -> int:
-        return self.rows.shape[0] if self.source_row is None else self.source_row.shape[0]
+        return self.rows.shape[0]
 
     def weight(self, i: int) -> torch.Tensor:
         """w1, w2 or w3 (i = 0, 1, 2) in the rows' dtype."""
@@ -80,15 +81,17 @@ def expert_rows_forward(
     """(y, state): y has R rows (plan order, or scattered to ``target_row``).
     ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
     int32 or None (plan order); ``scale_R`` (R,) fp32 or None."""
-    R = rows.shape[0] if source_row is None else source_row.shape[0]
+    if source_row is not None:
+        rows = rows.index_select(0, source_row)
+    R = rows.shape[0]
     w1, w2, w3 = (w.to(rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
     offsets = tile_offsets(rows_per_expert_E, tiles.gemm.block_m)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
     h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
-                             w2_E=w3, a_row=source_row, a_scale=scale_R)
+                             w2_E=w3, a_scale=scale_R)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
     y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
-    return y, ExpertRowsState(rows, source_row, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets)
+    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets)
 
 
 def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
@@ -119,13 +122,9 @@ def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsSta
 
 
 def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
-    """(grad w1, grad w3) in the weights' dtypes, from one launch. Gathered input rows
-    are copied to plan order first (a transient (R, D) copy): the kernel then loads them
-    through the copy engine, which cannot gather (about a third faster at the model
-    shapes, copy included; ``benchmarks/RESULTS.md``)."""
+    """(grad w1, grad w3) in the weights' dtypes, from one launch."""
     w1, _, w3 = state.weights
-    rows = state.rows if state.source_row is None else state.rows.index_select(0, state.source_row)
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
                                      out_dtype=w1.dtype, b_scale=state.scale_R, a2=d_a3)
     return grad_w1, grad_w3.to(w3.dtype)
 

@@ -4,16 +4,18 @@ Shape legend: T tokens, K experts per token, P = T*K rows, D model dim, H expert
 dim, E experts. Rows are expert-major in the plan's order (expert, token, k).
 
 The GEMMs are ``uniep.kernels.expert_rows``' (the one launch sequence of every Triton
-path), here gathering each plan row's token from x and scattering to (token, k) order.
+path), here reading each plan row's token from a plan-order copy of x's rows and
+scattering to (token, k) order.
 
-Forward (3 launches):
-  1. gate/up grouped GEMM, x rows gathered in the kernel, w1 and w3 in one pass,
-     SwiGLU in the epilogue            -> h (P, H), a1, a3 (P, H) kept for backward
-  2. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
-  3. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
-Backward (6 launches): combine backward, its rows written in plan order (so the next
-two launches load them contiguously, through the copy engine); down dgrad with the
-SwiGLU backward in the epilogue; the w2 weight gradient; up dgrad (w1 and w3 in one
+Forward (4 launches):
+  1. x rows copied to plan order (kept for the w1/w3 gradient)      -> rows (P, D)
+  2. gate/up grouped GEMM, w1 and w3 in one pass, SwiGLU in the epilogue
+                                       -> h (P, H), a1, a3 (P, H) kept for backward
+  3. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
+  4. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
+Backward (7 launches): combine backward, its rows written in plan order (so the next
+launches load them contiguously, through the copy engine); down dgrad (a plain GEMM)
+and the SwiGLU backward in place; the w2 weight gradient; up dgrad (w1 and w3 in one
 accumulator) scattered to (token, k) order; fixed-order sum of each token's K input
 gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums
 its expert's rows in plan order inside one program.
