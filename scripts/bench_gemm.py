@@ -54,7 +54,6 @@ from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: 
 # copy through descriptors
 VARIANTS = {
     "default": {},
-    "no_flatten": dict(gemm_flatten=False),
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
     "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
@@ -73,7 +72,7 @@ VARIANTS = {
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "gemm_flatten", "swiglu_bwd_fused", "gather_in_kernel"}
+                  "num_programs", "descriptor_loads", "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:

@@ -64,9 +64,6 @@ class UniEPConfig:
     gemm_num_stages: int = 4
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. Does not change bits."""
-    gemm_flatten: bool = True
-    """The plain GEMMs pipeline a program's tiles and their reduction steps as one loop,
-    so the next tile's loads overlap this tile's stores. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). Changes bits."""

@@ -165,24 +165,3 @@ def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():
     copy = stacked(*apart)
     assert copy.data_ptr() not in (apart[0].data_ptr(), apart[1].data_ptr())
     assert torch.equal(copy, torch.cat(apart))
-
-
-@pytest.mark.parametrize("kind", ["random", "skewed"])
-def test_flattened_tile_loop_keeps_the_bits(kind):
-    """Flattening a program's tile and reduction loops is a schedule change: every launch
-    (DUAL and the weight gradients ignore it) gives the bits of the plain loops, over
-    empty experts too."""
-    import dataclasses
-
-    gen = torch.Generator().manual_seed(11)
-    T, K, E, D, H = 9, 2, 6, 32, 40
-    _, _, counts = make_routing(T, K, E, kind, gen)
-    assert kind != "skewed" or (counts == 0).any()
-    x = torch.randn(T, D, generator=gen)
-    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
-    w2 = torch.randn(E, D, H, generator=gen)
-    grad_y = torch.randn(T * K, D, generator=gen)
-    plain = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
-    for tiles in (dataclasses.replace(TILES, flatten=True), dataclasses.replace(TILES, flatten=True, descriptors=True)):
-        flat = _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles)
-        assert [torch.equal(a, b) for a, b in zip(plain, flat)] == [True] * len(plain)

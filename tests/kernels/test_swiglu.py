@@ -33,6 +33,10 @@ def test_rejects_buffers_of_the_wrong_shape():
         swiglu_backward_(torch.empty(3, 4, 5), torch.empty(4, 5), torch.empty(4, 5))
     with pytest.raises(ValueError, match="a1, a3 must be contiguous"):
         swiglu_backward_(torch.empty(2, 4, 5), torch.empty(4, 6), torch.empty(4, 6))
+    offsets = tile_offsets(torch.tensor([4]), 16)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 6\) tensor, for PLAIN or DUAL"):
+        grouped_gemm(torch.randn(4, 5), torch.randn(1, 6, 5), offsets, 4, transpose_w=True,
+                     tiles=GemmTiles(16, 16, 16), out=torch.empty(4, 7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

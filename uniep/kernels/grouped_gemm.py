@@ -90,11 +90,6 @@ class GemmTiles:
     descriptors: bool = False
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
-    flatten: bool = False
-    """Software-pipeline a program's tile loop and reduction loop as one (Triton's
-    ``tl.range(flatten=True)``), so the next tile's loads overlap this tile's epilogue;
-    the bits are the same. Row GEMMs with one reduction loop (not DUAL); weight
-    gradients, whose reductions differ in length per expert, ignore it."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -162,12 +157,10 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_flatten)
+                         programs, c.descriptor_loads)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
-        # The gate/up launch is not flattened: its two accumulators leave no registers for
-        # the next tile's loads (slower at the Qwen3 shape, benchmarks/RESULTS.md).
-        return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n, flatten=False),
+        return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
 
@@ -320,13 +313,13 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr, FLATTEN: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
-    for tile in tl.range(pid, total_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in range(pid, total_tiles, NUM_PROGRAMS):
         e, row0, n0, rows, mask_m, cols, mask_n = _tile_coords(
             tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
         )
@@ -468,7 +461,6 @@ def grouped_gemm(
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_descs is not None, B_DESC=b_descs is not None, B_TRANSPOSED=transpose_w,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
-        FLATTEN=tiles.flatten and mode != DUAL,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
