@@ -124,3 +124,39 @@ def test_bench_gemm_reports_a_variant_that_cannot_launch(monkeypatch, capsys):
     assert [(r["variant"], r["launch"], r["ok"]) for r in refused] == [("pointer_loads", "down", False)]
     assert sum(r["ok"] for r in rows) == 2 * len(bench_gemm.LAUNCHES) - 1
     assert "pointer_loads down: cannot launch: RuntimeError: Insufficient registers" in capsys.readouterr().out
+
+
+def test_host_time_reports_every_part_and_restores_the_layer():
+    """host_time.py on the CPU (Triton interpreter, tiny shape): every wrapped part was
+    called once per forward+backward, the launches are counted per kernel, the inclusive
+    times nest (a part is not longer than the part containing it), and the wrappers are
+    gone afterwards. Negative control: a part that is never called reports 0 calls."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_time.py"), "--device", "cpu", "--shape", "tiny",
+                          "--calls", "1"], capture_output=True, text=True, env=env, timeout=600, check=True).stdout
+    parts = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[-1] == "ms" and fields[-3] == "calls":
+            parts[" ".join(fields[:-4])] = (float(fields[-4]), float(fields[-2]))
+    for name in ("layer forward", "router", "routed op, forward", "expert autograd forward",
+                 "layer backward (.backward())", "routed op, backward", "expert autograd backward"):
+        assert parts[name][0] == 1.0, (name, out)
+    assert parts["routed op, forward"][1] <= parts["layer forward"][1]
+    assert parts["expert autograd backward"][1] <= parts["routed op, backward"][1] <= parts["layer backward (.backward())"][1]
+    assert parts["_grouped_gemm_kernel"][0] == 4.0 and parts["_grouped_wgrad_kernel"][0] == 2.0
+    assert "Triton launches, 10.0 per call" in out
+
+    import host_time
+    import triton.runtime.jit as jit
+
+    from uniep.moe import UniEPMoE
+
+    forward, run = UniEPMoE.forward, jit.JITFunction.run
+    timers = host_time.HostTimers()
+    timers.wrap(UniEPMoE, "forward", "layer forward")
+    timers.wrap(jit.JITFunction, "run", lambda kernel: kernel.fn.__name__)
+    assert UniEPMoE.forward is not forward
+    timers.unwrap()
+    assert UniEPMoE.forward is forward and jit.JITFunction.run is run
+    assert timers.calls["layer forward"] == 0

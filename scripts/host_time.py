@@ -1,0 +1,143 @@
+"""Host time of a UniEP layer call, part by part: what the CPU spends issuing one
+forward+backward, to find what keeps the device waiting.
+
+    python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--device cuda]
+
+For the timed calls, the layer's forward, its router, the routed-expert custom op
+(forward and backward), the expert path, the expert autograd function and every Triton
+launch (per kernel) are wrapped in wall-clock timers that work in whichever thread runs
+them (on CUDA the backward runs on the autograd engine's device thread, which profilers
+of the main thread do not follow). Prints milliseconds per forward+backward, inclusive
+(a part contains the parts indented below it), then the host time to issue one call and
+the time until the device has finished it. Nothing inside the calls synchronizes; a
+part's time is host time only. ``--device cpu`` runs the Triton interpreter on a tiny
+shape (tests the script; CPU times say nothing about a GPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import SHAPES, build_layers  # noqa: E402
+
+
+class HostTimers:
+    """Inclusive wall-clock time and calls per label, of wrapped callables."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, attr: str, label) -> None:
+        """Time ``owner.attr`` under ``label`` (a string, or a function of the call's first
+        argument, e.g. the kernel of a launch). Static methods stay static."""
+        raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        static = isinstance(raw, staticmethod)
+        original = raw.__func__ if static else raw
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                name = label if isinstance(label, str) else label(args[0])
+                self.ms[name] += (time.perf_counter() - start) * 1e3
+                self.calls[name] += 1
+
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+        self._undo.append((owner, attr, raw))
+
+    def unwrap(self) -> None:
+        for owner, attr, raw in reversed(self._undo):
+            setattr(owner, attr, raw)
+        self._undo.clear()
+
+
+def instrument(timers: HostTimers, layer) -> list[tuple[str, int]]:
+    """Wrap the layer's parts; returns the report's (label, indent) rows in order."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    import uniep.experts
+    import uniep.routed_op
+    from uniep.kernels.fused_experts import _FusedExperts
+    from uniep.moe import UniEPMoE
+    from uniep.router import TopKRouter
+
+    timers.wrap(UniEPMoE, "forward", "layer forward")
+    timers.wrap(TopKRouter, "forward", "router")
+    timers.wrap(uniep.experts, "routed_experts", "routed op, forward")
+    timers.wrap(type(layer.expert_path), "__call__", f"expert path ({type(layer.expert_path).__name__})")
+    timers.wrap(_FusedExperts, "forward", "expert autograd forward")
+    timers.wrap(uniep.routed_op, "_routed_experts_bwd", "routed op, backward")
+    timers.wrap(_FusedExperts, "backward", "expert autograd backward")
+    for launcher in (jit.JITFunction, interpreter.InterpretedFunction):
+        timers.wrap(launcher, "run", lambda kernel: f"launch {kernel.fn.__name__}")
+    return [("layer forward", 1), ("router", 2), ("routed op, forward", 2),
+            (f"expert path ({type(layer.expert_path).__name__})", 3), ("expert autograd forward", 4),
+            ("layer backward (.backward())", 1), ("routed op, backward", 2), ("expert autograd backward", 3)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen3_4k", choices=list(SHAPES))
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    if args.calls < 1:
+        sys.exit(f"--calls = {args.calls}: allowed values: 1 or more")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("host_time.py: no CUDA GPU here (--device cpu runs the Triton interpreter on a tiny shape)")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    _, layer, T, D, *_ = build_layers(args.shape, dtype=dtype, device=args.device)
+    x = torch.randn(1, T, D, device=args.device, dtype=dtype)
+    grad = torch.randn_like(x)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    timers = HostTimers()
+
+    def step() -> None:
+        xi = x.detach().requires_grad_(True)
+        out = layer(xi)
+        start = time.perf_counter()
+        out.backward(grad)
+        timers.ms["layer backward (.backward())"] += (time.perf_counter() - start) * 1e3
+        timers.calls["layer backward (.backward())"] += 1
+        layer.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # compile the kernels, fill the allocator's cache
+        step()
+    timers.ms.clear()
+    timers.calls.clear()
+    rows = instrument(timers, layer)
+    try:
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            step()
+        issue_ms = (time.perf_counter() - start) / args.calls * 1e3
+        sync()
+        finish_ms = (time.perf_counter() - start) / args.calls * 1e3
+    finally:
+        timers.unwrap()
+    print(f"{args.shape} on {args.device}: host ms per forward+backward, inclusive, over {args.calls} calls")
+    for label, indent in rows:
+        print(f"{'  ' * indent}{label:<{40 - 2 * indent}s} {timers.calls[label] / args.calls:5.1f} calls "
+              f"{timers.ms[label] / args.calls:8.3f} ms")
+    launches = sorted((k for k in timers.ms if k.startswith("launch ")), key=lambda k: -timers.ms[k])
+    print(f"  Triton launches, {sum(timers.calls[k] for k in launches) / args.calls:.1f} per call, "
+          f"{sum(timers.ms[k] for k in launches) / args.calls:.3f} ms:")
+    for k in launches:
+        print(f"    {k[7:]:<36s} {timers.calls[k] / args.calls:5.1f} calls {timers.ms[k] / args.calls:8.3f} ms")
+    print(f"issue {issue_ms:.3f} ms per call (host), finished {finish_ms:.3f} ms per call (device done)")
+
+
+if __name__ == "__main__":
+    main()
