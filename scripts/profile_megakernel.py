@@ -2,10 +2,7 @@
 time (and the host ops that take it), one forward+backward at a bench_moe.py shape,
 next to the one-rank fused layer.
 
-    python scripts/profile_megakernel.py [--shape qwen3] [--ranks 2,8] [--python 30]
-
-``--python N`` also prints the N Python functions with the most host time of their own
-over 20 forward+backward calls (cProfile; no torch profiler), to find host overhead.
+    python scripts/profile_megakernel.py [--shape qwen3] [--ranks 2,8]
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     parser.add_argument("--ranks", default="2,8", help="virtual ranks to profile (1: the one-rank fused layer)")
-    parser.add_argument("--python", type=int, default=0, metavar="N",
-                        help="also list the N Python functions with the most own host time")
     args = parser.parse_args()
     from uniep import UniEPConfig
     from uniep.testing import use_virtual_ranks
@@ -61,37 +56,6 @@ def main() -> None:
         print(f"   host: {len(kernels)} kernel kinds, {sum(e.count for e in kernels)} launches; most self CPU time:")
         for e in host[:8]:
             print(f"   {e.key[:48]:48s} {e.count:4d} calls    {e.self_cpu_time_total / 1e3:7.3f} ms")
-        if args.python:
-            python_host_time(uniep, x, grad, args.python)
-
-
-def python_host_time(layer, x, grad, top: int, calls: int = 20) -> None:
-    """Host wall time per forward+backward (no sync inside) and the ``top`` Python
-    functions by own time over ``calls`` of them."""
-    import cProfile
-    import pstats
-    import time
-
-    def step():
-        layer(x).backward(grad)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    host_ms = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
-    device_ms = (time.perf_counter() - start) / calls * 1e3
-    print(f"   host {host_ms:.2f} ms per forward+backward to issue, {device_ms:.2f} ms to finish")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":
