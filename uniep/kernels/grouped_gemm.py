@@ -100,28 +100,33 @@ class GemmTiles:
         tiles, the dtype and the device's limit, so every path that launches the same
         tiles (one rank, all_to_all, megakernel) fits them the same way and the bits
         stay path-independent. bf16 with the default tiles fits as given on an H200.
+        Cached: every launch asks again.
         """
-        limit = smem_limit(torch.device(device))
-        elem = dtype.itemsize
-        tiles = self
+        return _fit(self, dtype, smem_limit(torch.device(device)), a_tiles, b_tiles)
 
-        def fits(t: GemmTiles) -> bool:
-            return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles) <= limit
 
-        while not fits(tiles) and tiles.num_stages > 2:
-            tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
-        while not fits(tiles) and tiles.block_k > 16:
-            tiles = dataclasses.replace(tiles, block_k=tiles.block_k // 2)
-        if not fits(tiles):
-            tiles = dataclasses.replace(tiles, num_stages=1)
-        while not fits(tiles) and tiles.block_n > 16:
-            tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
-        if not fits(tiles):
-            raise ValueError(
-                f"GEMM tiles {self} cannot fit {limit} bytes of shared memory with {dtype} operands "
-                "even at block_k 16, block_n 16 and 1 stage: lower block_m"
-            )
-        return tiles
+@functools.lru_cache(maxsize=None)
+def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles: int) -> GemmTiles:
+    elem = dtype.itemsize
+    tiles = given
+
+    def fits(t: GemmTiles) -> bool:
+        return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles) <= limit
+
+    while not fits(tiles) and tiles.num_stages > 2:
+        tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    while not fits(tiles) and tiles.block_k > 16:
+        tiles = dataclasses.replace(tiles, block_k=tiles.block_k // 2)
+    if not fits(tiles):
+        tiles = dataclasses.replace(tiles, num_stages=1)
+    while not fits(tiles) and tiles.block_n > 16:
+        tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
+    if not fits(tiles):
+        raise ValueError(
+            f"GEMM tiles {given} cannot fit {limit} bytes of shared memory with {dtype} operands "
+            "even at block_k 16, block_n 16 and 1 stage: lower block_m"
+        )
+    return tiles
 
 
 @dataclass(frozen=True)
