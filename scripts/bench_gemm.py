@@ -3,11 +3,11 @@
     python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,pointer_loads,...]
                                  [--warmup 5 --iters 20] [--json out.json]
 
-For each shape (``bench_moe.py``'s): one random top-k routing, then the six GEMM steps
-of the Triton path as the models use it, scores applied after the experts (forward
-the copy of the token rows in plan order, gate/up with SwiGLU, down; input-gradient
-down with the SwiGLU backward (two launches), input-gradient up; weight gradients of
-w2 and of w1/w3), each timed alone (median of CUDA events after warm-up)
+For each shape (``bench_moe.py``'s): one random top-k routing, then the steps of the
+Triton path as the models use it, scores applied after the experts (forward: the copy
+of the token rows in plan order, gate/up with SwiGLU, down; backward: the down input
+gradient with the SwiGLU backward (two launches), the up input gradient, the weight
+gradients of w2 and of w1/w3), each timed alone (median of CUDA events after warm-up)
 under every variant, with its TFLOP/s.
 Correctness first: each launch of the default settings against an fp32 PyTorch
 computation of the same rows, and every variant against the default: bitwise where it
