@@ -141,18 +141,25 @@ def test_routing_is_not_cast_by_fsdp_mixed_precision():
     assert _apply_to_tensors(lambda t: t.to(torch.bfloat16), (routing.scores_TK,))[0].dtype == torch.bfloat16
 
 
-def test_routed_call_keeps_no_graph_without_grad_and_frees_it_after_backward():
+def test_eager_call_holds_its_state_only_while_a_backward_can_come():
+    """Eagerly the layer calls its expert path directly: the Triton path holds its
+    activations for the backward (``uniep.backward_state``) while, and only while, a
+    backward can come; the custom op's table stays empty."""
+    from uniep import UniEPConfig
+    from uniep.backward_state import held_states
     from uniep.routed_op import pending_calls
 
-    layer = UniEPMoE(16, 8, 4, 2)
+    small = dict(gemm_block_m=16, gemm_block_n=16, gemm_up_block_n=16, gemm_block_k=16, wgrad_block_m=16,
+                 wgrad_block_n=16, wgrad_up_block_n=16, wgrad_block_k=16, num_programs=2)
+    layer = UniEPMoE(16, 8, 4, 2, config=UniEPConfig(backend="triton", **small))
     layer.init_weights(0.02)
     x = torch.randn(1, 6, 16)
     with torch.no_grad():
         reference = layer(x)
-    assert pending_calls() == 0
+    assert held_states() == 0
     out = layer(x)
-    assert pending_calls() == 1 and torch.equal(out.detach(), reference)  # same bits either way
+    assert held_states() == 1 and torch.equal(out.detach(), reference)  # same bits either way
     out.sum().backward()
-    assert pending_calls() == 0
-    layer(x)  # a forward whose result is dropped (as under activation checkpointing)
-    assert pending_calls() == 0
+    assert held_states() == 0
+    layer(x)  # a forward whose result is dropped
+    assert held_states() == 0 and pending_calls() == 0

@@ -17,6 +17,7 @@ it, which is what makes every later stage bitwise reproducible.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,15 @@ def counts_in_sorted(sorted_values: torch.Tensor, n: int) -> torch.Tensor:
     """(n,) int64: how often each of 0..n-1 occurs in the ascending ``sorted_values``.
     No host sync, unlike ``torch.bincount`` on CUDA (it reads the maximum back to size
     its output): a layer's forward must not stall the host behind the device."""
-    edges = torch.arange(n + 1, device=sorted_values.device, dtype=sorted_values.dtype)
-    bounds = torch.searchsorted(sorted_values, edges)
+    bounds = torch.searchsorted(sorted_values, _range(n + 1, sorted_values.device, sorted_values.dtype))
     return bounds[1:] - bounds[:-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """0..n-1, made once per (n, device, dtype): each layer call needs it, and every op
+    costs host time. Read only."""
+    return torch.arange(n, device=device, dtype=dtype)
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:

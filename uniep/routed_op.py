@@ -1,5 +1,6 @@
-"""The routed-expert call as one opaque ``torch.library`` custom op, so torch.compile
-(TorchTitan's ``--compile.enable``) traces a UniEP layer without graph breaks.
+"""The routed-expert call of a UniEP layer: under torch.compile one opaque
+``torch.library`` custom op, so that TorchTitan's ``--compile.enable`` traces a UniEP
+layer without graph breaks; eagerly, the expert path itself.
 
 Everything a routed-expert call does on the host (count all-gathers, ``.tolist()``,
 pinned copies, NCCL all-to-alls, symmetric-memory launches) runs inside
@@ -10,6 +11,12 @@ under a key that the op returns as a small handle tensor, and ``uniep::routed_ex
 takes it back and differentiates it. The entry goes away with its handle: after the
 backward, or at once when nothing will differentiate (no grad, or an activation-checkpoint
 forward whose result is recomputed).
+
+Outside torch.compile the layer calls the path directly: the same kernels in the same
+order (so the same bits), without the op's dispatch and nested backward, which cost
+host time (``scripts/host_time.py``; measured in ``benchmarks/RESULTS.md``).
+The paths' autograd functions hold their activations in ``uniep.backward_state``, which
+activation checkpointing can drop, as it drops the op's table entry.
 
 Shape legend: T tokens, K experts per token, D model dim, E experts (El local), H hidden.
 """
@@ -125,6 +132,9 @@ _routed_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
 def routed_experts(x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3, path: int) -> torch.Tensor:
-    """(T, D): the registered path ``path`` over these inputs, behind the op boundary."""
+    """(T, D): the registered path ``path`` over these inputs; behind the op boundary
+    when torch.compile traces the call."""
+    if not torch.compiler.is_compiling():
+        return _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3)
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_TK, w1, w2, w3))
     return _routed_experts(x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3, path, differentiable)[0]

@@ -104,7 +104,9 @@ class TopKRouter(nn.Module):
         top_scores_TK = scores_TE.gather(1, topk_idx_TK)
         if self.route_norm:
             top_scores_TK = top_scores_TK / (top_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return top_scores_TK * self.route_scale, topk_idx_TK
+        if self.route_scale != 1.0:  # (x * 1.0 is x, bit for bit: no op to issue)
+            top_scores_TK = top_scores_TK * self.route_scale
+        return top_scores_TK, topk_idx_TK
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.gate.weight, std=init_std)

@@ -139,17 +139,42 @@ def test_descriptor_loads_give_the_bits_of_pointer_loads(kind, dtype):
 
 
 def test_descriptors_only_where_the_copy_engine_can_read():
-    from uniep.kernels.grouped_gemm import descriptor, descriptor_pair
+    from uniep.kernels.grouped_gemm import tma_readable
 
     w = torch.randn(3, 8, 16)
-    assert descriptor(w, [1, 8, 16]) is not None
-    assert descriptor(w.transpose(1, 2), [1, 16, 8]) is None  # last dim not contiguous
-    assert descriptor(torch.randn(4, 6), [4, 6]) is None  # rows of 24 bytes: not 16-byte aligned
-    assert descriptor(torch.randn(65)[1:].view(4, 16), [4, 16]) is None  # base 4 bytes off
-    assert descriptor(torch.randn(0, 16), [4, 16]) is None  # a rank that received no rows
-    assert descriptor_pair(w, w.transpose(1, 2), [1, 8, 16]) is None
-    first, second = descriptor_pair(w, None, [1, 8, 16])
-    assert first is second
+    assert tma_readable(w) and tma_readable(None)
+    assert not tma_readable(w.transpose(1, 2))  # last dim not contiguous
+    assert not tma_readable(torch.randn(4, 6))  # rows of 24 bytes: not 16-byte aligned
+    assert not tma_readable(torch.randn(65)[1:].view(4, 16))  # base 4 bytes off
+    assert not tma_readable(torch.randn(0, 16))  # a rank that received no rows
+
+
+def test_descriptor_launches_give_triton_an_allocator_in_the_launching_thread():
+    """Kernels that build tensor descriptors need scratch memory from Triton's allocator,
+    which Triton keeps per thread context; a backward launches from the autograd engine's
+    thread. On CUDA the launcher sets it in whatever thread launches."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from uniep.kernels.grouped_gemm import use_descriptor_scratch
+
+    seen = {}
+
+    def launch_in_new_thread(device):
+        use_descriptor_scratch(torch.device(device))
+        seen[device] = _allocation._allocator.get()
+
+    for device in ("cpu", "cuda"):  # cpu: the control (the interpreter needs none; nothing is set)
+        thread = threading.Thread(target=launch_in_new_thread, args=(device,))
+        thread.start()
+        thread.join()
+    assert isinstance(seen["cpu"], _allocation.NullAllocator)
+    allocate = seen["cuda"]
+    assert not isinstance(allocate, _allocation.NullAllocator)
+    if torch.cuda.is_available():
+        buffer = allocate(384, 128, None)
+        assert buffer.numel() == 384 and buffer.is_cuda and buffer.data_ptr() % 128 == 0
 
 
 def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():

@@ -1,13 +1,14 @@
 """The routed-expert call as the custom op ``uniep::routed_experts`` (what torch.compile
-and activation checkpointing see of a layer): opcheck (schema, fake tensors, autograd
-registration), a compiled layer without graph breaks, and activation checkpointing of
-the fused Triton path recomputing the same bits."""
+sees of a layer): opcheck (schema, fake tensors, autograd registration), a compiled
+layer without graph breaks; and activation checkpointing of the fused Triton path
+recomputing the same bits and dropping the state it holds for the backward."""
 
 import torch
 import torch.utils.checkpoint
 
 from tests.kernels.routing import make_routing
 from uniep import UniEPConfig, UniEPMoE
+from uniep.backward_state import held_states
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
 from uniep.plan import local_counts
@@ -86,3 +87,17 @@ def test_activation_checkpointing_recomputes_the_same_bits():
 
     eager = grads_of(plain, [x, scores, *w], grad)
     assert all(torch.equal(a, b) for a, b in zip(eager, grads_of(checkpointed, [x, scores, *w], grad)))
+
+
+def test_activation_checkpointing_drops_the_held_state():
+    """The Triton path's activations wait for the backward in ``uniep.backward_state``,
+    under a handle that checkpointing discards with the other saved tensors."""
+    x, scores, _, order, counts, w = inputs(3)
+    out = fused(x, scores, order, counts, *w)
+    assert held_states() == 1  # the control: without checkpointing the state waits for the backward
+    del out
+    assert held_states() == 0
+    out = torch.utils.checkpoint.checkpoint(fused, x, scores, order, counts, *w, use_reentrant=False)
+    assert held_states() == 0  # dropped; the backward recomputes it
+    out.sum().backward()
+    assert held_states() == 0 and x.grad is not None

@@ -63,7 +63,12 @@ class ExpertRowsState:
 
     def weight(self, i: int) -> torch.Tensor:
         """w1, w2 or w3 (i = 0, 1, 2) in the rows' dtype."""
-        return self.weights[i].to(self.rows.dtype)
+        return _in_dtype(self.weights[i], self.rows.dtype)
+
+
+def _in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` as ``dtype`` (a call to ``.to`` only where it converts: each op costs host time)."""
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def expert_rows_forward(
@@ -80,11 +85,11 @@ def expert_rows_forward(
 ) -> tuple[torch.Tensor, ExpertRowsState]:
     """(y, state): y has R rows (plan order, or scattered to ``target_row``).
     ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
-    int32 or None (plan order); ``scale_R`` (R,) fp32 or None."""
+    int32 or int64, or None (plan order); ``scale_R`` (R,) fp32 or None."""
     if source_row is not None:
         rows = rows.index_select(0, source_row)
     R = rows.shape[0]
-    w1, w2, w3 = (w.to(rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
+    w1, w2, w3 = (_in_dtype(w, rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
     offsets = tile_offsets(rows_per_expert_E, tiles.gemm.block_m)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
     h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from uniep.backward_state import hold_for_backward, take_for_backward
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import (
     down_backward,
@@ -43,11 +44,11 @@ from uniep.kernels.grouped_gemm import ExpertTiles
 
 
 def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before: bool):
-    """(source_row: each plan row's token, target_row: its (token, k) pair, both int32;
+    """(source_row: each plan row's token, target_row: its (token, k) pair, both int64;
     its score when scores come before the experts, else None)."""
     K = scores_TK.shape[1]
     scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
-    return (send_order_P // K).to(torch.int32), send_order_P.to(torch.int32), scale
+    return send_order_P // K, send_order_P, scale
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -58,17 +59,16 @@ class _FusedExperts(torch.autograd.Function):
         y_PD, state = expert_rows_forward(x_TD, row_scale, rows_per_expert_E, w1, w2, w3, tiles,
                                           source_row=source_row, target_row=target_row)
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
-        ctx.save_for_backward(x_TD, scores_TK, send_order_P)
-        # Held outside the saved tensors so the backward can release it once used (the
-        # layer's custom op differentiates this graph exactly once).
-        ctx.y_PD, ctx.state, ctx.score_before, ctx.tiles = y_PD, state, score_before, tiles
+        # y and the GEMMs' state are held outside the saved tensors, so the backward can
+        # release each once used (and activation checkpointing can drop them).
+        ctx.save_for_backward(x_TD, scores_TK, send_order_P, hold_for_backward((y_PD, state)))
+        ctx.score_before, ctx.tiles = score_before, tiles
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, scores_TK, send_order_P = ctx.saved_tensors
-        y_PD, state, score_before, tiles = ctx.y_PD, ctx.state, ctx.score_before, ctx.tiles
-        ctx.y_PD = None
+        x_TD, scores_TK, send_order_P, handle = ctx.saved_tensors
+        (y_PD, state), score_before, tiles = take_for_backward(handle), ctx.score_before, ctx.tiles
         K = scores_TK.shape[1]
         # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
         # the scores when applied after the experts. The launches' order keeps one (P, D)

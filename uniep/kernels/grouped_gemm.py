@@ -31,9 +31,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from uniep.kernels.swiglu import swiglu_backward_math
 
@@ -303,17 +303,15 @@ def _tile_store(
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a2_ptr,  # (rows_a, Kd): input rows
-    a_row_ptr,  # (R,) int32: row of A for each plan row (HAS_A_ROW)
+    a_row_ptr,  # (R,) int32 or int64: row of A for each plan row (HAS_A_ROW)
     a_scale_ptr,  # (R,) fp32: per-row scale applied to A before the dot (HAS_A_SCALE)
     b_ptr, b2_ptr,  # (E, ...) weights; element (k, n) of expert e at e*stride_be + k*stride_bk + n*stride_bn
     c_ptr, c2_ptr,  # (rows_c, N) outputs
-    c_row_ptr,  # (R,) int32: output row for each plan row (HAS_C_ROW)
+    c_row_ptr,  # (R,) int32 or int64: output row for each plan row (HAS_C_ROW)
     aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
-    a_desc, a2_desc,  # A, A2 as tensor descriptors (A_DESC), blocks (BLOCK_M, BLOCK_K)
-    b_desc, b2_desc,  # the weights as tensor descriptors (B_DESC), blocks of one expert
     expert_offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
-    N, Kd, num_experts,
+    N, Kd, num_experts, rows_a,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
@@ -322,6 +320,30 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # Descriptors built here, once per program (A_DESC: A and A2, blocks (BLOCK_M,
+    # BLOCK_K); B_DESC: the weights in their stored layout, blocks of one expert): the
+    # host-side kind costs about 80 us of host time per launch on an H200 host.
+    a_desc = a_ptr
+    a2_desc = a2_ptr
+    b_desc = b_ptr
+    b2_desc = b2_ptr
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if MODE == _DUAL:
+            a2_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    if B_DESC:
+        if B_TRANSPOSED:  # stored (E, N, Kd)
+            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts, N, Kd], [stride_be, stride_bn, 1],
+                                               [1, BLOCK_N, BLOCK_K])
+            if MODE == _SWIGLU_FWD or MODE == _DUAL:
+                b2_desc = tl.make_tensor_descriptor(b2_ptr, [num_experts, N, Kd], [stride_be, stride_bn, 1],
+                                                    [1, BLOCK_N, BLOCK_K])
+        else:  # stored (E, Kd, N)
+            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts, Kd, N], [stride_be, stride_bk, 1],
+                                               [1, BLOCK_K, BLOCK_N])
+            if MODE == _SWIGLU_FWD or MODE == _DUAL:
+                b2_desc = tl.make_tensor_descriptor(b2_ptr, [num_experts, Kd, N], [stride_be, stride_bk, 1],
+                                                    [1, BLOCK_K, BLOCK_N])
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
@@ -356,13 +378,31 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> i
     return max(1, min(sms * per_sm, upper_tiles))
 
 
-def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
-    """A tensor descriptor of ``t`` with ``block_shape`` blocks, or None where the copy
-    engine cannot read ``t`` (empty, last dim not contiguous, 16-byte alignment)."""
+def tma_readable(t: torch.Tensor | None) -> bool:
+    """Whether the copy engine can read ``t`` through a tensor descriptor (not empty, last
+    dim contiguous, 16-byte aligned base and strides); None reads as True (no operand)."""
+    if t is None:
+        return True
     align = 16 // t.element_size()
-    if t.numel() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:-1]):
-        return None
-    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=block_shape)
+    return t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in t.stride()[:-1])
+
+
+def _scratch_on(device_type: str):
+    def allocate(size: int, alignment: int, stream) -> torch.Tensor:  # blocks are 512-byte aligned
+        return torch.empty(size, dtype=torch.int8, device=device_type)
+    return allocate
+
+
+_SCRATCH = {"cuda": _scratch_on("cuda")}
+
+
+def use_descriptor_scratch(device: torch.device) -> None:
+    """Let Triton allocate the global memory that kernels building tensor descriptors
+    need (128 bytes per descriptor and program) from PyTorch's allocator. Triton keeps
+    its allocator per thread context, and a backward runs on the autograd engine's
+    thread, so every launch that builds descriptors calls this first."""
+    if device.type in _SCRATCH:
+        triton.set_allocator(_SCRATCH[device.type])
 
 
 def pair_buffer(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,21 +412,12 @@ def pair_buffer(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
     return pair[0], pair[1]
 
 
-def descriptor_pair(t, t2, block_shape):
-    """Descriptors of ``t`` and ``t2`` (``t``'s again where ``t2`` is None: the kernel
-    does not read it), or None unless both can be descriptors."""
-    pair = descriptor(t, block_shape), (None if t2 is None else descriptor(t2, block_shape))
-    if pair[0] is None or (t2 is not None and pair[1] is None):
-        return None
-    return pair[0], pair[1] or pair[0]
-
-
 def tile_offsets(rows_per_expert_E: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E+1,) int32 row offsets and (E+1,) int32 row-tile offsets, computed on device."""
-    zero = rows_per_expert_E.new_zeros(1)
-    expert_offsets = torch.cat([zero, torch.cumsum(rows_per_expert_E, 0)]).to(torch.int32)
-    tiles = torch.cat([zero, torch.cumsum((rows_per_expert_E + block_m - 1) // block_m, 0)])
-    return expert_offsets, tiles.to(torch.int32)
+    """(E+1,) int32 row offsets and (E+1,) int32 row-tile offsets, computed on device
+    (in few ops: each costs host time)."""
+    tiles_E = (rows_per_expert_E + (block_m - 1)).div_(block_m, rounding_mode="floor")
+    offsets = F.pad(torch.stack([rows_per_expert_E, tiles_E]).cumsum(1, dtype=torch.int32), (1, 0))
+    return offsets[0], offsets[1]
 
 
 def _weight_view(w_E: torch.Tensor, transpose: bool) -> tuple[int, int, int, int, int]:
@@ -444,12 +475,10 @@ def grouped_gemm(
     upper_tiles = (triton.cdiv(num_rows, tiles.block_m) + num_experts) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
-    a_descs = b_descs = None
-    if tiles.descriptors:
-        if a_row is None:
-            a_descs = descriptor_pair(a, a2, [tiles.block_m, tiles.block_k])
-        w_block = [1, tiles.block_n, tiles.block_k] if transpose_w else [1, tiles.block_k, tiles.block_n]
-        b_descs = descriptor_pair(w_E, w2_E, w_block)
+    a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
+    b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
+    if a_desc or b_desc:
+        use_descriptor_scratch(a.device)
     _grouped_gemm_kernel[(programs,)](
         a, a if a2 is None else a2,
         dummy if a_row is None else a_row,
@@ -458,13 +487,12 @@ def grouped_gemm(
         c, c2,
         dummy if c_row is None else c_row,
         aux1, aux3,
-        *(a_descs or (dummy, dummy)), *(b_descs or (dummy, dummy)),
         expert_offsets, tile_offs,
-        N, Kd, num_experts,
+        N, Kd, num_experts, a.shape[0],
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
-        A_DESC=a_descs is not None, B_DESC=b_descs is not None, B_TRANSPOSED=transpose_w,
+        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, descriptor, dot_precision
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, dot_precision, tma_readable, use_descriptor_scratch
 
 
 @triton.jit
@@ -77,10 +77,9 @@ def _grouped_wgrad_kernel(
     b_ptr,  # (halves * rows_b, N): B, or B and B2 stacked (HALVES = 2)
     b_row_ptr,  # (R,) int32 (HAS_B_ROW)
     b_scale_ptr,  # (R,) fp32 (HAS_B_SCALE)
-    a_desc, b_desc,  # A, B (all halves) as tensor descriptors (A_DESC, B_DESC), blocks (BLOCK_K, BLOCK_M / N)
     c_ptr, c2_ptr,  # (E, M, N) each; with HALVES = 2, (E, N, M): C^T and C2^T
     expert_offsets_ptr,  # (E+1,) int32
-    M, N, num_experts, rows_b,
+    M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
@@ -88,6 +87,14 @@ def _grouped_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # A and B (all halves) as tensor descriptors, built once per program (see
+    # ``grouped_gemm``), blocks (BLOCK_K, BLOCK_M) and (BLOCK_K, BLOCK_N)
+    a_desc = a_ptr
+    b_desc = b_ptr
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, M], [stride_am, 1], [BLOCK_K, BLOCK_M])
+    if B_DESC:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [HALVES * rows_b, N], [stride_bm, 1], [BLOCK_K, BLOCK_N])
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     # Within an expert's row tile of A, the tiles of B2 follow B's: one accumulator per
@@ -184,21 +191,18 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     upper_tiles = halves * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
-    a_desc = b_desc = None
-    if tiles.descriptors:
-        if a_row is None:
-            a_desc = descriptor(a, [tiles.block_k, tiles.block_m])
-        if b_row is None:
-            b_desc = descriptor(b, [tiles.block_k, tiles.block_n])
+    a_desc = tiles.descriptors and a_row is None and tma_readable(a)
+    b_desc = tiles.descriptors and b_row is None and tma_readable(b)
+    if a_desc or b_desc:
+        use_descriptor_scratch(a.device)
     _grouped_wgrad_kernel[(programs,)](
         a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
-        dummy if a_desc is None else a_desc, dummy if b_desc is None else b_desc,
         c, c2, expert_offsets,
-        M, N, num_experts, b.shape[0] // halves,
+        M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),

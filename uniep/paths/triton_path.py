@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from uniep.backward_state import hold_for_backward, take_for_backward
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.fused_experts import fused_experts
@@ -42,20 +43,20 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         y_RD, state = expert_rows_forward(rows_RD, scale_R, counts, w1, w2, w3, tiles)
         y_PD = transport.combine(y_RD, plan).index_select(0, plan.send_order_inverse)  # (token, k) order
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
-        ctx.save_for_backward(x_TD, scores_TK, y_PD)
-        ctx.state, ctx.plan, ctx.transport, ctx.tiles, ctx.score_before = state, plan, transport, tiles, score_before
+        ctx.save_for_backward(x_TD, scores_TK, y_PD, hold_for_backward(state))
+        ctx.plan, ctx.transport, ctx.tiles, ctx.score_before = plan, transport, tiles, score_before
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, scores_TK, y_PD = ctx.saved_tensors
+        x_TD, scores_TK, y_PD, handle = ctx.saved_tensors
         plan, transport, before = ctx.plan, ctx.transport, ctx.score_before
         K = scores_TK.shape[1]
         grad_out_TD = grad_out_TD.contiguous()
         grad_y_sent_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if before else scores_TK, K,
                                                        row_of_pair=plan.send_order_inverse)  # in send order
         grad_y_RD = transport.dispatch(grad_y_sent_PD, plan)
-        d_rows_RD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(grad_y_RD, ctx.state, ctx.tiles)
+        d_rows_RD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(grad_y_RD, take_for_backward(handle), ctx.tiles)
         d_rows_PD = transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
         if before:
             grad_x = topk_combine(d_rows_PD, scores_TK, K)

@@ -1,0 +1,117 @@
+"""The GEMM kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
+its bundled ptxas, no GPU. The interpreter runs the kernels' Python; only the compiler
+sees what it rejects (a variable a constexpr branch leaves undefined, a descriptor of
+the wrong rank, a shared-memory overflow), and without this test such an error shows
+only on a GPU.
+
+Each case is a specialization the Triton paths launch with the default tiles (bf16,
+descriptor loads on, 128-row tiles)."""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK  # noqa: E402
+
+# Cases: (kernel, constants that differ from the defaults below). Each is a
+# specialization the Triton paths launch with the default tiles (bf16, descriptor loads).
+GEMM = "grouped_gemm"
+WGRAD = "wgrad"
+CASES = {
+    "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
+    "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
+    "down input gradient": (GEMM, dict(MODE=0, B_TRANSPOSED=False)),
+    "up input gradient": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True)),
+    "megakernel down input gradient": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128)),
+    "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
+    "w2 gradient": (WGRAD, dict(HALVES=1)),
+    "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
+    # the controls: a kernel the compiler rejects (tl.arange of 96), tiles too large
+    # for shared memory (found in the compiled kernel's metadata)
+    "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
+    "too large (control)": (GEMM, dict(MODE=0, BLOCK_M=256, BLOCK_K=128, num_stages=4)),
+}
+
+
+def compile_sm90(name: str) -> dict:
+    """Compile case ``name`` for sm_90 (run without ``TRITON_INTERPRET``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from uniep.kernels import grouped_gemm, wgrad
+
+    kind, changes = CASES[name]
+    changes = dict(changes)
+    num_stages = changes.pop("num_stages", 3)
+    if kind == GEMM:
+        kernel = grouped_gemm._grouped_gemm_kernel
+        types = dict.fromkeys(("a_ptr", "a2_ptr", "b_ptr", "b2_ptr", "c_ptr", "c2_ptr", "aux1_ptr", "aux3_ptr"),
+                              "*bf16")
+        types |= dict.fromkeys(("N", "Kd", "num_experts", "rows_a", "stride_am", "stride_be", "stride_bk",
+                                "stride_bn", "stride_cm", "stride_auxm"), "i32")
+        types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", expert_offsets_ptr="*i32",
+                      tile_offsets_ptr="*i32")
+        constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
+                         B_TRANSPOSED=True, NUM_PROGRAMS=132, LOG2_E=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                         DOT_PRECISION="tf32")
+    else:
+        kernel = wgrad._grouped_wgrad_kernel
+        types = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "c2_ptr"), "*bf16")
+        types |= dict.fromkeys(("M", "N", "num_experts", "rows_a", "rows_b", "stride_am", "stride_bm",
+                                "stride_ce", "stride_cm"), "i32")
+        types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
+                      expert_offsets_ptr="*i32")
+        constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
+                         A_DESC=True, B_DESC=True, NUM_PROGRAMS=132, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=256,
+                         BLOCK_K=64, DOT_PRECISION="tf32")
+    constants |= changes
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {p: "constexpr" if p in constants else types[p] for p in params}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if types.get(p, "").startswith("*")}
+    source = ASTSource(kernel, signature, {(params.index(k),): v for k, v in constants.items()}, divisible)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 8, "num_stages": num_stages})
+    except Exception as e:  # reported to the test, which decides
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every case compiled in one process without the interpreter (under it,
+    ``triton.jit`` gives functions the compiler cannot take)."""
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this Triton has no backend registry")
+    if "nvidia" not in backends:
+        pytest.skip("Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from tests.kernels.test_sm90_compile import CASES, compile_sm90; "
+            "print(json.dumps({name: compile_sm90(name) for name in CASES}))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "control" not in n])
+def test_kernel_compiles_for_sm90(compiled, name):
+    result = compiled[name]
+    assert "error" not in result, result.get("error")
+    assert result["shared"] <= H200_SMEM_PER_BLOCK
+    # descriptors are built on the device, in scratch memory the launch allocates
+    assert (result["scratch"] > 0) == (CASES[name][1].get("A_DESC", True))
+
+
+def test_the_controls_fail_here(compiled):
+    assert "power of 2" in compiled["not a power of 2 (control)"].get("error", "")
+    assert compiled["too large (control)"]["shared"] > H200_SMEM_PER_BLOCK
