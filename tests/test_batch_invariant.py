@@ -28,3 +28,24 @@ def test_blocks_keep_values_shapes_and_gradients():
     out.sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
     assert in_fixed_row_blocks(lambda t: t + 1, torch.empty(0, 5)).shape == (0, 5)
+
+
+def test_then_runs_once_on_devices_whose_elementwise_ops_need_no_blocks(monkeypatch):
+    """``then`` (the router's activation) runs per block where the device needs it (CPU)
+    and once on the whole output on the devices in ``ELEMENTWISE_BATCH_INVARIANT`` (CUDA;
+    forced here)."""
+    import uniep.batch_invariant as bi
+
+    rows_seen = []
+
+    def then(t):
+        rows_seen.append(t.shape[0])
+        return t * 2.0
+
+    x = torch.randn(2 * DEFAULT_ROWS_PER_BLOCK + 3, 5)
+    assert torch.equal(in_fixed_row_blocks(lambda t: t + 1.0, x, then=then), (x + 1.0) * 2.0)
+    assert rows_seen == [DEFAULT_ROWS_PER_BLOCK] * 3  # per block, the last one padded
+    rows_seen.clear()
+    monkeypatch.setattr(bi, "ELEMENTWISE_BATCH_INVARIANT", ("cpu",))
+    assert torch.equal(in_fixed_row_blocks(lambda t: t + 1.0, x, then=then), (x + 1.0) * 2.0)
+    assert rows_seen == [x.shape[0]]

@@ -134,7 +134,8 @@ def test_routing_is_not_cast_by_fsdp_mixed_precision():
 
     from uniep.experts import Routing
 
-    routing = Routing(torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int64))
+    routing = Routing(torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
+                      torch.arange(8))
     cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, (routing,))
     assert cast[0].scores_TK.dtype == torch.float32
     # the control: the same tensors in a tuple are cast

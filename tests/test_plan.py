@@ -60,3 +60,21 @@ def test_local_counts_match_bincount(n, size):
         values[0] = n - 1
     assert torch.equal(local_counts(values, n), torch.bincount(values, minlength=n))
     assert torch.equal(local_counts(values.view(-1, 1), n), local_counts(values, n))  # any shape
+
+
+def test_expert_order_is_the_plans_send_order_from_one_sort():
+    """The layer sorts once (``expert_order``) and hands the order to the plan."""
+    from uniep.plan import expert_order
+
+    gen = torch.Generator().manual_seed(3)
+    topk = routing("random", 2, 9, 3, 8, gen)
+    table = torch.stack([local_counts(idx, 8) for idx in topk])
+    for rank, idx in enumerate(topk):
+        counts, order = expert_order(idx, 8)
+        assert torch.equal(counts, local_counts(idx, 8))
+        assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True))
+        given, own = build_plan(idx, 8, table, rank, order), build_plan(idx, 8, table, rank)
+        assert all(torch.equal(getattr(given, f), getattr(own, f)) for f in ("send_order", "dest_rows", "arrival_to_row"))
+    # the control: an order that is not the stable one gives another plan
+    wrong = build_plan(topk[0], 8, table, 0, expert_order(topk[0], 8)[1].flip(0))
+    assert not torch.equal(wrong.dest_rows, build_plan(topk[0], 8, table, 0).dest_rows)

@@ -20,15 +20,32 @@ import torch.nn.functional as F
 # CUDA a large block keeps the GEMMs efficient (16384 tokens: 4 calls).
 ROWS_PER_BLOCK = {"cuda": 4096}
 DEFAULT_ROWS_PER_BLOCK = 256
+ELEMENTWISE_BATCH_INVARIANT = ("cuda",)
+"""Devices whose elementwise and per-row ops (sigmoid, softmax over a row) compute every
+row with the same code whatever the rows around it: there they need no blocks (checked
+on a GPU by ``tests/kernels/test_gpu.py``)."""
 
 
-def in_fixed_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
-    """``fn(x_TD)`` for a row-wise ``fn``, computed on blocks of a fixed number of rows."""
+def in_fixed_row_blocks(
+    fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``then(fn(x_TD))`` for a row-wise ``fn`` and an elementwise or per-row ``then``
+    (optional): ``fn`` computed on blocks of a fixed number of rows, ``then`` too where
+    the device needs it (each op costs host time; a block, four ops at 16384 tokens)."""
     block = ROWS_PER_BLOCK.get(x_TD.device.type, DEFAULT_ROWS_PER_BLOCK)
+    if then is not None and x_TD.device.type not in ELEMENTWISE_BATCH_INVARIANT:
+        fn, then = _chained(fn, then), None
     T = x_TD.shape[0]
     if T == block:  # one full block: the same call without the split, cat and slice ops
-        return fn(x_TD)
-    pad = -T % block
-    padded = F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
-    out = torch.cat([fn(rows) for rows in padded.split(block)])
-    return out[:T] if pad else out
+        out = fn(x_TD)
+    else:
+        pad = -T % block
+        padded = F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
+        out = torch.cat([fn(rows) for rows in padded.split(block)])
+        out = out[:T] if pad else out
+    return out if then is None else then(out)
+
+
+def _chained(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor]):
+    return lambda rows: second(first(rows))

@@ -18,7 +18,8 @@ from uniep.routed_op import routed_experts
 
 class Routing:
     """Where a batch's tokens go: ``scores_TK`` (T, K) fp32 router scores, ``topk_TK``
-    (T, K) expert ids, ``counts_E`` (E,) pairs per expert.
+    (T, K) expert ids, ``counts_E`` (E,) pairs per expert, ``order_P`` (T*K,) the pair
+    ids ``t*K + k`` stably sorted by expert (``uniep.plan.expert_order``).
 
     A plain class on purpose: FSDP casts the floating-point tensors among a module's
     arguments to its parameter dtype, looking into tuples, dicts and dataclasses, and
@@ -26,10 +27,11 @@ class Routing:
     were bf16 in the forward and fp32 when activation checkpointing recomputed it.
     """
 
-    __slots__ = ("scores_TK", "topk_TK", "counts_E")
+    __slots__ = ("scores_TK", "topk_TK", "counts_E", "order_P")
 
-    def __init__(self, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor):
-        self.scores_TK, self.topk_TK, self.counts_E = scores_TK, topk_TK, counts_E
+    def __init__(self, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor,
+                 order_P: torch.Tensor):
+        self.scores_TK, self.topk_TK, self.counts_E, self.order_P = scores_TK, topk_TK, counts_E, order_P
 
 
 class GroupedExperts(nn.Module):
@@ -53,7 +55,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """(T, D) routed-expert output of tokens ``x_TD`` (T, D)."""
         return routed_experts(
-            x_TD, routing.scores_TK, routing.topk_TK, routing.counts_E, *self.local_weights(), self.path_id
+            x_TD, routing.scores_TK, routing.topk_TK, routing.counts_E, routing.order_P, *self.local_weights(),
+            self.path_id,
         )
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

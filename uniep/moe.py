@@ -23,7 +23,7 @@ from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, Routing
 from uniep.paths import ExpertPath, build_expert_path
-from uniep.plan import local_counts
+from uniep.plan import expert_order
 from uniep.routed_op import register_path, registered_path
 from uniep.router import TopKRouter
 
@@ -257,14 +257,17 @@ class UniEPMoE(nn.Module):
         if topk_idx is not None:
             self._check_routing(topk_idx, B * S)
 
+        # The shared experts first: their GEMMs keep the device busy while the host
+        # issues the router's and the routing plan's many small ops.
+        shared_TD = None if self.shared_experts is None else in_fixed_row_blocks(self.shared_experts, x_TD)
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
-        counts_E = local_counts(topk_idx_TK, self.num_experts)
+        counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)
 
-        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E))
-        if self.shared_experts is not None:
-            out_TD = in_fixed_row_blocks(self.shared_experts, x_TD) + out_TD
+        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
+        if shared_TD is not None:
+            out_TD = shared_TD + out_TD
         return out_TD.view(B, S, D)
 
     def _check_routing(self, topk_idx: torch.Tensor, tokens: int) -> None:

@@ -63,16 +63,25 @@ def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_in_sorted(topk_idx_TK.reshape(-1).sort().values, num_experts)
 
 
+def expert_order(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts_E, order_P)``: pairs routed to each expert, and the pair ids ``t*K + k``
+    stably sorted by expert (the plan's send order), from one sort."""
+    expert_P, order_P = topk_idx_TK.reshape(-1).sort(stable=True)
+    return counts_in_sorted(expert_P, num_experts), order_P
+
+
 def counts_in_sorted(sorted_values: torch.Tensor, n: int) -> torch.Tensor:
     """(n,) int64: how often each of 0..n-1 occurs in the ascending ``sorted_values``.
     No host sync, unlike ``torch.bincount`` on CUDA (it reads the maximum back to size
     its output): a layer's forward must not stall the host behind the device."""
-    bounds = torch.searchsorted(sorted_values, _range(n + 1, sorted_values.device, sorted_values.dtype))
+    # (made once, outside torch.compile; traced, torch.compile makes its own)
+    make = torch.arange if torch.compiler.is_compiling() else _range
+    bounds = torch.searchsorted(sorted_values, make(n + 1, device=sorted_values.device, dtype=sorted_values.dtype))
     return bounds[1:] - bounds[:-1]
 
 
 @functools.lru_cache(maxsize=64)
-def _range(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _range(n: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """0..n-1, made once per (n, device, dtype): each layer call needs it, and every op
     costs host time. Read only."""
     return torch.arange(n, device=device, dtype=dtype)
@@ -112,9 +121,11 @@ def build_plan(
     num_experts: int,
     count_table_WE: torch.Tensor | None = None,
     ep_rank: int = 0,
+    send_order: torch.Tensor | None = None,
 ) -> RoutingPlan:
     """Plan of one rank. ``count_table_WE`` is the all-gathered table of every rank's
-    ``local_counts`` (None with one rank)."""
+    ``local_counts`` (None with one rank); ``send_order``, if known, the pairs stably
+    sorted by expert (``expert_order``)."""
     T, K = topk_idx_TK.shape
     device = topk_idx_TK.device
     if count_table_WE is None:
@@ -129,7 +140,8 @@ def build_plan(
 
     flat_P = topk_idx_TK.reshape(-1)
     # Stable sort keeps pairs of one expert in (t, k) order: pair id t*K+k increases.
-    send_order = torch.argsort(flat_P, stable=True)
+    if send_order is None:
+        send_order = torch.argsort(flat_P, stable=True)
     send_order_inverse = torch.empty_like(send_order)
     send_order_inverse[send_order] = torch.arange(send_order.numel(), device=device)
 

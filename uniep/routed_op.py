@@ -37,8 +37,8 @@ _KEYS = itertools.count()
 
 
 def register_path(path: Callable) -> int:
-    """The id under which the op calls ``path(x_TD, scores_TK, topk_TK, counts_E, w1, w2,
-    w3) -> (T, D)``. Register each path once (layers that share one share its id, so a
+    """The id under which the op calls ``path(x_TD, scores_TK, topk_TK, counts_E, order_P,
+    w1, w2, w3) -> (T, D)``. Register each path once (layers that share one share its id, so a
     compiled block is reused across layers)."""
     _PATHS.append(path)
     return len(_PATHS) - 1
@@ -68,16 +68,16 @@ def _autograd_recording() -> Iterator[None]:
 @torch.library.custom_op("uniep::routed_experts", mutates_args=())
 def _routed_experts(
     x_TD: torch.Tensor, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, path: int, differentiable: bool,
+    order_P: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, path: int, differentiable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out (T, D), handle (1,) int64 on the CPU; -1 when not ``differentiable``)."""
     if not differentiable:  # no grad (evaluation): no graph to keep
         with torch.no_grad():
-            out_TD = _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3)
+            out_TD = _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3)
         return out_TD, torch.tensor([-1], dtype=torch.int64)
     leaves = tuple(t.detach().requires_grad_() for t in (x_TD, scores_TK, w1, w2, w3))
     with _autograd_recording():
-        out_TD = _PATHS[path](leaves[0], leaves[1], topk_TK, counts_E, *leaves[2:])
+        out_TD = _PATHS[path](leaves[0], leaves[1], topk_TK, counts_E, order_P, *leaves[2:])
     key = next(_KEYS)
     _PENDING[key] = (leaves, out_TD)
     handle = torch.tensor([key], dtype=torch.int64)
@@ -86,7 +86,7 @@ def _routed_experts(
 
 
 @_routed_experts.register_fake
-def _(x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3, path, differentiable):
+def _(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path, differentiable):
     return torch.empty_like(x_TD), torch.empty(1, dtype=torch.int64)
 
 
@@ -114,7 +114,7 @@ def _(grad_out_TD, handle, x_TD, scores_TK, w1, w2, w3):
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, scores_TK, _, _, w1, w2, w3, _, _ = inputs
+    x_TD, scores_TK, _, _, _, w1, w2, w3, _, _ = inputs
     handle = output[1]
     ctx.mark_non_differentiable(handle)
     ctx.save_for_backward(handle, x_TD, scores_TK, w1, w2, w3)
@@ -125,16 +125,16 @@ def _backward(ctx, grad_out_TD, _grad_handle):
     grad_x, grad_scores, grad_w1, grad_w2, grad_w3 = _routed_experts_bwd(
         grad_out_TD.contiguous(), handle, x_TD, scores_TK, w1, w2, w3
     )
-    return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
+    return grad_x, grad_scores, None, None, None, grad_w1, grad_w2, grad_w3, None, None
 
 
 _routed_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
-def routed_experts(x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3, path: int) -> torch.Tensor:
+def routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path: int) -> torch.Tensor:
     """(T, D): the registered path ``path`` over these inputs; behind the op boundary
     when torch.compile traces the call."""
     if not torch.compiler.is_compiling():
-        return _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3)
+        return _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3)
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_TK, w1, w2, w3))
-    return _routed_experts(x_TD, scores_TK, topk_TK, counts_E, w1, w2, w3, path, differentiable)[0]
+    return _routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path, differentiable)[0]

@@ -63,8 +63,7 @@ class TopKRouter(nn.Module):
         self.num_limited_groups = num_limited_groups
         self.force_load_balance = force_load_balance
 
-    def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        logits_TE = self.gate(x_TD)
+    def _activate(self, logits_TE: torch.Tensor) -> torch.Tensor:
         # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
         if self.score_func == "sigmoid":
             return torch.sigmoid(logits_TE.float())
@@ -89,7 +88,7 @@ class TopKRouter(nn.Module):
         replaces the selection (replaying another layer's routing, e.g. in an fp32
         reference); the scores are still computed from ``x``."""
         # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
-        scores_TE = in_fixed_row_blocks(self._scores, x_TD)
+        scores_TE = in_fixed_row_blocks(self.gate, x_TD, then=self._activate)
 
         if topk_idx_TK is None and self.force_load_balance:
             n = x_TD.shape[0]

@@ -40,6 +40,26 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
+    """On CUDA only the router's GEMM runs in fixed row blocks (its activation once on the
+    whole batch, ``ELEMENTWISE_BATCH_INVARIANT``): each token's scores must still have
+    the same bits whatever the rows around it, as expert parallelism needs."""
+    from uniep import UniEPMoE
+    from uniep.batch_invariant import ROWS_PER_BLOCK, in_fixed_row_blocks
+
+    torch.manual_seed(0)
+    layer = UniEPMoE(256, 128, 16, 4, num_shared_experts=1, score_func=score_func).cuda().to(torch.bfloat16)
+    layer.init_weights(0.02)
+    block = ROWS_PER_BLOCK["cuda"]
+    x = torch.randn(2 * block + 37, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for fn in (lambda t: layer.router(t)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t)):
+            whole = fn(x)
+            for size in (7, 1000, block, block + 1):
+                assert torch.equal(torch.cat([fn(part) for part in x.split(size)]), whole), size
+
+
 @pytest.mark.parametrize("score_before", [False, True])
 def test_bf16_error_no_worse_than_torchtitan(score_before):
     from uniep import UniEPConfig

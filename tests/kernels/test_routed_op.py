@@ -11,7 +11,7 @@ from uniep import UniEPConfig, UniEPMoE
 from uniep.backward_state import held_states
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
-from uniep.plan import local_counts
+from uniep.plan import expert_order
 from uniep.routed_op import _routed_experts, pending_calls
 
 TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=2)
@@ -50,7 +50,7 @@ def grads_of(fn, leaves, grad):
 def test_opcheck():
     layer = UniEPMoE(D, H, E, K, config=UniEPConfig(backend="triton", **SMALL)).to(DEVICE)
     x, scores, topk, _, _, w = inputs()
-    args = (x, scores, topk, local_counts(topk, E), *w, layer.experts.path_id, True)
+    args = (x, scores, topk, *expert_order(topk, E), *w, layer.experts.path_id, True)
     torch.library.opcheck(_routed_experts, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
