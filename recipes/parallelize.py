@@ -65,9 +65,9 @@ def apply_uniep_compile(model, compile_config, ep_enabled: bool) -> None:
 
     As TorchTitan does for its MoE blocks: every child of the block is compiled on its
     own (``fullgraph=True``), and inside the MoE layer every child but the routed
-    experts, which FSDP wraps on their own mesh (its hooks would break the graph). The
-    routed-expert call is one opaque custom op either way (``uniep.routed_op``); blocks
-    without a UniEP layer are compiled whole.
+    experts, which FSDP wraps on their own mesh (its hooks would break the graph), so they
+    run eagerly (``uniep.routed_op``: the path itself, no op boundary); blocks without a
+    UniEP layer are compiled whole.
     """
     torch._dynamo.config.capture_scalar_outputs = True
     compiled = 0

@@ -3,9 +3,9 @@ forward+backward, to find what keeps the device waiting.
 
     python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--device cuda]
 
-For the timed calls, the layer's forward, its router, the routed-expert custom op
-(forward and backward), the expert path, the expert autograd function and every Triton
-launch (per kernel) are wrapped in wall-clock timers that work in whichever thread runs
+For the timed calls, the layer's forward, its router, the routed-expert call (eager: the
+path itself, no custom op), the expert path, the expert autograd function and every
+Triton launch (per kernel) are wrapped in wall-clock timers that work in whichever thread runs
 them (on CUDA the backward runs on the autograd engine's device thread, which profilers
 of the main thread do not follow). Prints milliseconds per forward+backward, inclusive
 (a part contains the parts indented below it), then the host time to issue one call and
@@ -67,23 +67,21 @@ def instrument(timers: HostTimers, layer) -> list[tuple[str, int]]:
     import triton.runtime.jit as jit
 
     import uniep.experts
-    import uniep.routed_op
     from uniep.kernels.fused_experts import _FusedExperts
     from uniep.moe import UniEPMoE
     from uniep.router import TopKRouter
 
     timers.wrap(UniEPMoE, "forward", "layer forward")
     timers.wrap(TopKRouter, "forward", "router")
-    timers.wrap(uniep.experts, "routed_experts", "routed op, forward")
+    timers.wrap(uniep.experts, "routed_experts", "routed-expert call")
     timers.wrap(type(layer.expert_path), "__call__", f"expert path ({type(layer.expert_path).__name__})")
     timers.wrap(_FusedExperts, "forward", "expert autograd forward")
-    timers.wrap(uniep.routed_op, "_routed_experts_bwd", "routed op, backward")
     timers.wrap(_FusedExperts, "backward", "expert autograd backward")
     for launcher in (jit.JITFunction, interpreter.InterpretedFunction):
         timers.wrap(launcher, "run", lambda kernel: f"launch {kernel.fn.__name__}")
-    return [("layer forward", 1), ("router", 2), ("routed op, forward", 2),
+    return [("layer forward", 1), ("router", 2), ("routed-expert call", 2),
             (f"expert path ({type(layer.expert_path).__name__})", 3), ("expert autograd forward", 4),
-            ("layer backward (.backward())", 1), ("routed op, backward", 2), ("expert autograd backward", 3)]
+            ("layer backward (.backward())", 1), ("expert autograd backward", 2)]
 
 
 def main() -> None:

@@ -20,9 +20,9 @@ accumulator) scattered to (token, k) order; fixed-order sum of each token's K in
 gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums
 its expert's rows in plan order inside one program.
 
-An autograd function: a UniEP layer calls it inside its ``uniep::routed_experts``
-custom op (``uniep.routed_op``), which is what torch.compile and activation
-checkpointing see.
+An autograd function, which a UniEP layer calls directly, or under torch.compile inside
+its ``uniep::routed_experts`` custom op (``uniep.routed_op``). The activations wait for
+the backward in ``uniep.backward_state``, where activation checkpointing can drop them.
 
 ``score_before_experts`` scales each gathered x row by its score (fp32, rounded to the
 input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
