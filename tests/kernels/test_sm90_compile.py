@@ -80,7 +80,8 @@ def compile_sm90(name: str) -> dict:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 8, "num_stages": num_stages})
     except Exception as e:  # reported to the test, which decides
-        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+        cause = e.__cause__ or e
+        return {"error": f"{type(e).__name__}: {type(cause).__name__}: {cause}"[-2000:]}
     return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared}
 
 

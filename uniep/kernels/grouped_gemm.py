@@ -301,6 +301,18 @@ def _tile_store(
 
 
 @triton.jit
+def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weights as a descriptor in their stored layout, (E, N, Kd) when B[e] is the
+    transpose, else (E, Kd, N); blocks of one expert."""
+    if B_TRANSPOSED:
+        desc = tl.make_tensor_descriptor(w_ptr, [num_experts, N, Kd], [stride_be, stride_bn, 1], [1, BLOCK_N, BLOCK_K])
+    else:
+        desc = tl.make_tensor_descriptor(w_ptr, [num_experts, Kd, N], [stride_be, stride_bk, 1], [1, BLOCK_K, BLOCK_N])
+    return desc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a2_ptr,  # (rows_a, Kd): input rows
     a_row_ptr,  # (R,) int32 or int64: row of A for each plan row (HAS_A_ROW)
@@ -320,30 +332,22 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Descriptors built here, once per program (A_DESC: A and A2, blocks (BLOCK_M,
-    # BLOCK_K); B_DESC: the weights in their stored layout, blocks of one expert): the
-    # host-side kind costs about 80 us of host time per launch on an H200 host.
+    # Descriptors built here, once per program, not on the host for every launch (that
+    # cost more host time than small launches take on the device; benchmarks/RESULTS.md).
     a_desc = a_ptr
     a2_desc = a2_ptr
     b_desc = b_ptr
     b2_desc = b2_ptr
-    if A_DESC:
+    if A_DESC:  # blocks (BLOCK_M, BLOCK_K)
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
         if MODE == _DUAL:
             a2_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
     if B_DESC:
-        if B_TRANSPOSED:  # stored (E, N, Kd)
-            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts, N, Kd], [stride_be, stride_bn, 1],
-                                               [1, BLOCK_N, BLOCK_K])
-            if MODE == _SWIGLU_FWD or MODE == _DUAL:
-                b2_desc = tl.make_tensor_descriptor(b2_ptr, [num_experts, N, Kd], [stride_be, stride_bn, 1],
-                                                    [1, BLOCK_N, BLOCK_K])
-        else:  # stored (E, Kd, N)
-            b_desc = tl.make_tensor_descriptor(b_ptr, [num_experts, Kd, N], [stride_be, stride_bk, 1],
-                                               [1, BLOCK_K, BLOCK_N])
-            if MODE == _SWIGLU_FWD or MODE == _DUAL:
-                b2_desc = tl.make_tensor_descriptor(b2_ptr, [num_experts, Kd, N], [stride_be, stride_bk, 1],
-                                                    [1, BLOCK_K, BLOCK_N])
+        b_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
+                                    BLOCK_N, BLOCK_K)
+        if MODE == _SWIGLU_FWD or MODE == _DUAL:
+            b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
+                                         BLOCK_N, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
