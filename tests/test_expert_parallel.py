@@ -94,9 +94,9 @@ def _worker(rank, world, shared, barrier, store_path, router, seed, skew, result
             out.backward(grad_out[mine])
             out, gx = out.detach(), x_mine.grad
             w_grads = {n: getattr(layer.experts, n).grad for n in ("w1", "w2", "w3")}
-            from uniep.routed_op import pending_calls
+            from uniep.backward_state import held_states
 
-            assert pending_calls() == 0  # the backward took its saved graph back
+            assert held_states() == 0  # the backward took its saved graph back
         else:
             out, gx, w_grads = fwd_bwd(layer, x[mine], grad_out[mine], skew)
         if backend == "megakernel":

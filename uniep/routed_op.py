@@ -6,17 +6,17 @@ Everything a routed-expert call does on the host (count all-gathers, ``.tolist()
 pinned copies, NCCL all-to-alls, symmetric-memory launches) runs inside
 ``uniep::routed_experts``, eagerly, whatever compiles around it: its output has the
 input's shape, so the fake implementation needs no data. Inside, the expert path runs
-with autograd on detached copies of the inputs; the graph it builds waits in a table
-under a key that the op returns as a small handle tensor, and ``uniep::routed_experts_bwd``
-takes it back and differentiates it. The entry goes away with its handle: after the
-backward, or at once when nothing will differentiate (no grad, or an activation-checkpoint
-forward whose result is recomputed).
+with autograd on detached copies of the inputs; the graph it builds is held for the
+backward (``uniep.backward_state``) under a small handle tensor that the op returns, and
+``uniep::routed_experts_bwd`` takes it back and differentiates it. The graph goes away
+with its handle: after the backward, or at once when nothing will differentiate (no
+grad, or an activation-checkpoint forward whose result is recomputed).
 
 Outside torch.compile the layer calls the path directly: the same kernels in the same
 order (so the same bits), without the op's dispatch and nested backward, which cost
 host time (``scripts/host_time.py``; measured in ``benchmarks/RESULTS.md``).
-The paths' autograd functions hold their activations in ``uniep.backward_state``, which
-activation checkpointing can drop, as it drops the op's table entry.
+The paths' autograd functions hold their activations in ``uniep.backward_state`` too,
+where activation checkpointing can drop them.
 
 Shape legend: T tokens, K experts per token, D model dim, E experts (El local), H hidden.
 """
@@ -24,16 +24,14 @@ Shape legend: T tokens, K experts per token, D model dim, E experts (El local), 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import weakref
 from typing import Callable, Iterator
 
 import torch
 from torch._C import DispatchKey
 
+from uniep.backward_state import hold_for_backward, take_for_backward
+
 _PATHS: list[Callable] = []
-_PENDING: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
-_KEYS = itertools.count()
 
 
 def register_path(path: Callable) -> int:
@@ -47,11 +45,6 @@ def register_path(path: Callable) -> int:
 def registered_path(path: int) -> Callable:
     """The path registered under id ``path``."""
     return _PATHS[path]
-
-
-def pending_calls() -> int:
-    """Forward calls whose backward has not run yet (and whose handle is alive)."""
-    return len(_PENDING)
 
 
 @contextlib.contextmanager
@@ -78,11 +71,7 @@ def _routed_experts(
     leaves = tuple(t.detach().requires_grad_() for t in (x_TD, scores_TK, w1, w2, w3))
     with _autograd_recording():
         out_TD = _PATHS[path](leaves[0], leaves[1], topk_TK, counts_E, order_P, *leaves[2:])
-    key = next(_KEYS)
-    _PENDING[key] = (leaves, out_TD)
-    handle = torch.tensor([key], dtype=torch.int64)
-    weakref.finalize(handle, _PENDING.pop, key, None)
-    return out_TD.detach(), handle
+    return out_TD.detach(), hold_for_backward((leaves, out_TD))
 
 
 @_routed_experts.register_fake
@@ -96,13 +85,7 @@ def _routed_experts_bwd(
     x_TD: torch.Tensor, scores_TK: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of x, scores, w1, w2, w3 (the inputs are passed for their shapes)."""
-    key = int(handle.item())
-    if key not in _PENDING:
-        raise RuntimeError(
-            f"uniep::routed_experts_bwd: forward call {key} has no saved graph (its backward already ran; "
-            "retain_graph / double backward through a UniEP layer is not supported)"
-        )
-    leaves, out_TD = _PENDING.pop(key)
+    leaves, out_TD = take_for_backward(handle)
     with _autograd_recording():
         grads = torch.autograd.grad(out_TD, leaves, grad_out_TD, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))

@@ -190,3 +190,17 @@ def test_the_swiglu_backward_pair_is_read_in_place_by_the_w1_w3_gradient():
     copy = stacked(*apart)
     assert copy.data_ptr() not in (apart[0].data_ptr(), apart[1].data_ptr())
     assert torch.equal(copy, torch.cat(apart))
+
+
+def test_a_second_operand_of_another_shape_is_refused_before_launch():
+    """DUAL mode reads A2 with A's rows and strides (one descriptor shape for both)."""
+    from uniep.kernels.grouped_gemm import DUAL
+
+    counts = torch.tensor([3, 2])
+    w = torch.randn(2, 8, 16)
+    a = torch.randn(5, 8)
+    offsets = tile_offsets(counts, TILES.block_m)
+    out = grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES, mode=DUAL, a2=a.clone(), w2_E=w)
+    assert torch.allclose(out, 2 * grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="A2 must have A's shape and strides"):
+        grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES, mode=DUAL, a2=torch.randn(6, 8), w2_E=w)

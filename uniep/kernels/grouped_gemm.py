@@ -465,6 +465,8 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")
     if w2_E is not None and (w2_E.shape != w_E.shape or w2_E.stride() != w_E.stride()):
         raise ValueError("grouped_gemm: the second weight must have the first one's shape and strides")
+    if a2 is not None and (a2.shape != a.shape or a2.stride() != a.stride()):
+        raise ValueError("grouped_gemm: A2 must have A's shape and strides (the kernel reads both with A's)")
     rows_c = num_rows if out_rows is None else out_rows
     if out is not None and (mode in (SWIGLU_FWD, SWIGLU_BWD) or out.shape != (rows_c, N) or not out.is_contiguous()):
         raise ValueError(f"grouped_gemm: out must be a contiguous ({rows_c}, {N}) tensor, for PLAIN or DUAL; "
