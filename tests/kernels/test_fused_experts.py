@@ -150,3 +150,50 @@ def test_nan_and_inf_propagate_like_torchtitan(backend, bad):
     for theirs, ours in zip(*masks):
         assert torch.equal(theirs, ours)
     assert masks[1][0][0, 2].all() and not masks[1][0][0, [0, 1, 3, 4, 5]].any()  # only token 2 is bad
+
+
+def test_w2_gradient_first_or_last_gives_the_same_bits_and_holds_less(monkeypatch):
+    """The backward runs the w2 gradient first or last (``w2_grad_first``): both orders
+    give every gradient bit for bit, and the rule picks the order that holds fewer
+    bytes: last where the rows are few (grad y and h smaller than grad w2), first where
+    they are many. Negative control: a w2 gradient run on the wrong rows differs."""
+    from uniep.kernels import expert_rows
+
+    gen = torch.Generator().manual_seed(2)
+    T, K, E, D, H = 12, 2, 4, 32, 16
+    _, order, counts = make_routing(T, K, E, "random", gen)
+    inputs = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
+              torch.randn(E, H, D, generator=gen), torch.randn(E, D, H, generator=gen), torch.randn(E, H, D, generator=gen)]
+    grad = torch.randn(T, D, generator=gen)
+
+    def run():
+        return fwd_bwd(lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False,
+                                                           tiles=ExpertTiles.uniform(TILES)), inputs, grad)
+
+    decided = []
+    real_rule = expert_rows.w2_grad_first
+    monkeypatch.setattr(expert_rows, "w2_grad_first", lambda state: decided.append(real_rule(state)) or decided[-1])
+    natural = run()
+    # 24 rows x (32 + 16) values of grad y and h against 4 x 32 x 16 of grad w2: last
+    assert decided == [False]
+    for forced in (True, False):
+        monkeypatch.setattr(expert_rows, "w2_grad_first", lambda state, f=forced: f)
+        assert all(torch.equal(a, b) for a, b in zip(run(), natural)), forced
+
+    real_wgrad = expert_rows._down_weight_grad
+    monkeypatch.setattr(expert_rows, "_down_weight_grad",
+                        lambda state, tiles: (setattr(state, "grad_y", state.grad_y.roll(1, 0)), real_wgrad(state, tiles))[1])
+    wrong = run()
+    assert torch.equal(wrong[1], natural[1]) and not torch.equal(wrong[4], natural[4])  # x's gradient same, w2's not
+
+
+def test_w2_gradient_first_where_the_rows_are_many():
+    from types import SimpleNamespace
+
+    from uniep.kernels.expert_rows import w2_grad_first
+
+    def state(rows):  # the Qwen3-30B-A3B layer's sizes (D 2048, H 768, 128 experts, top-8)
+        return SimpleNamespace(h=torch.empty(rows, 768, dtype=torch.bfloat16, device="meta"),
+                               weights=(None, torch.empty(128, 2048, 768, dtype=torch.bfloat16, device="meta")))
+
+    assert w2_grad_first(state(16384 * 8)) and not w2_grad_first(state(4096 * 8))

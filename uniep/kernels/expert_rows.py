@@ -16,9 +16,11 @@ launch and the w1/w3 gradient both read the copy. Outputs may be scattered
 kernels; the output gradient is read in plan order and the input-row gradient written
 in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
 
-The backward is three steps, so a caller can release each temporary as soon as it is
-used: ``down_backward`` (SwiGLU backward, w2 gradient), ``rows_input_grad``,
-``up_weight_grads``; ``expert_rows_backward`` runs all three.
+The backward (``expert_rows_backward``) runs its launches in the order that keeps
+the least memory alive, and releases each temporary once used: the down input
+gradient with the SwiGLU backward, the rows' input gradient (handed to the caller at
+once, who may reduce it and let it go), the w1/w3 gradient, and the w2 gradient
+either first or last (``w2_grad_first``). The order does not change any result.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from uniep.kernels.wgrad import grouped_wgrad
 
 @dataclass
 class ExpertRowsState:
-    """What the backward needs from the forward."""
+    """What the backward needs from the forward. The backward runs once and releases
+    each field once used, so the next launches' temporaries take its place."""
 
-    rows: torch.Tensor
-    """The input rows in plan order."""
+    rows: torch.Tensor | None
+    """The input rows in plan order (released after the w1/w3 gradient)."""
     target_row: torch.Tensor | None
     scale_R: torch.Tensor | None
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -53,17 +56,19 @@ class ExpertRowsState:
     h: torch.Tensor | None
     a1: torch.Tensor | None
     a3: torch.Tensor | None
-    """The forward activations; ``down_backward`` releases them once used (a UniEP
-    backward runs once), so the w1/w3 gradient's temporaries take their place."""
+    """The forward activations (a1, a3 released after the SwiGLU backward, h after the
+    w2 gradient)."""
     offsets: tuple[torch.Tensor, torch.Tensor]
-
-    @property
-    def num_rows(self) -> int:
-        return self.rows.shape[0]
+    num_rows: int
+    dtype: torch.dtype
+    """The rows' dtype, in which the GEMMs run."""
+    grad_y: torch.Tensor | None = None
+    """The output gradient (R, D) in plan order: the caller of the backward sets it
+    and lets its own reference go, so the backward can release it after its last use."""
 
     def weight(self, i: int) -> torch.Tensor:
         """w1, w2 or w3 (i = 0, 1, 2) in the rows' dtype."""
-        return _in_dtype(self.weights[i], self.rows.dtype)
+        return _in_dtype(self.weights[i], self.dtype)
 
 
 def _in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,50 +101,73 @@ def expert_rows_forward(
                              w2_E=w3, a_scale=scale_R)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
     y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
-    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets)
+    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets, R, rows.dtype)
 
 
-def down_backward(grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
-    """(d_a1, d_a3 (R, H), grad w2) from ``grad_y`` (R, D) in plan order: d h = grad_y @
-    w2[e] (a plain GEMM on the wide tiles, into the first half of the d_a1/d_a3 pair),
-    then the SwiGLU backward in place (a fused epilogue at the wide tiles would spill),
-    and the w2 gradient (one program per tile, the expert's rows in order). Releases
-    the state's activations."""
-    w2 = state.weight(1)
-    grad_y = grad_y.contiguous()
-    pair = grad_y.new_empty(2, *state.a1.shape)
-    grouped_gemm(grad_y, w2, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=PLAIN,
-                 out=pair[0])
+def w2_grad_first(state: ExpertRowsState) -> bool:
+    """Whether the w2 gradient runs right after the down input gradient: it then
+    releases its inputs (grad y (R, D) and h (R, H)) early but holds its output
+    (E, D, H) through the other launches; run last, the reverse. Whichever holds fewer
+    bytes (many rows: first; few rows, as at 4096 tokens: last)."""
+    R, H = state.h.shape
+    E, D, _ = state.weights[1].shape
+    return R * (D + H) * state.h.element_size() > E * D * H * state.weights[1].element_size()
+
+
+def _down_input_grad(state: ExpertRowsState, tiles: ExpertTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_a1, d_a3 (R, H)): d h = grad_y @ w2[e] (a plain GEMM on the wide tiles, into
+    the first half of the d_a1/d_a3 pair), then the SwiGLU backward in place (a fused
+    epilogue at the wide tiles would spill). Releases a1, a3."""
+    state.grad_y = state.grad_y.contiguous()
+    pair = state.grad_y.new_empty(2, *state.a1.shape)
+    grouped_gemm(state.grad_y, state.weight(1), state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm,
+                 mode=PLAIN, out=pair[0])
     d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
     state.a1 = state.a3 = None
-    grad_w2 = grouped_wgrad(grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
-                            out_dtype=state.weights[1].dtype)
-    state.h = None
-    return d_a1, d_a3, grad_w2
+    return d_a1, d_a3
 
 
-def rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
+def _down_weight_grad(state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
+    """grad w2 in its dtype (one program per tile, the expert's rows in order).
+    Releases grad_y and h."""
+    w2 = state.weights[1]
+    grad_w2 = grouped_wgrad(state.grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
+                            out_dtype=w2.dtype)
+    state.grad_y = state.h = None
+    return grad_w2
+
+
+def _rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
     """d rows = d_a1 @ w1[e] + d_a3 @ w3[e] (one accumulator), in ``y``'s layout: the
     gradient of the (scaled) input rows."""
-    w1, w3 = state.weight(0), state.weight(2)
-    return grouped_gemm(d_a1, w1, state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm, mode=DUAL,
-                        a2=d_a3, w2_E=w3, c_row=state.target_row)
+    return grouped_gemm(d_a1, state.weight(0), state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm,
+                        mode=DUAL, a2=d_a3, w2_E=state.weight(2), c_row=state.target_row)
 
 
-def up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
-    """(grad w1, grad w3) in the weights' dtypes, from one launch."""
+def _up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
+    """(grad w1, grad w3) in the weights' dtypes, from one launch. Releases the rows."""
     w1, _, w3 = state.weights
     grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
                                      out_dtype=w1.dtype, b_scale=state.scale_R, a2=d_a3)
+    state.rows = None
     return grad_w1, grad_w3.to(w3.dtype)
 
 
-def expert_rows_backward(
-    grad_y: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad of the (scaled) rows in ``y``'s layout, grad w1, grad w2, grad w3 in the
-    weights' dtypes)."""
-    d_a1, d_a3, grad_w2 = down_backward(grad_y, state, tiles)
-    d_rows = rows_input_grad(d_a1, d_a3, state, tiles)
-    grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tiles)
-    return d_rows, grad_w1, grad_w2, grad_w3
+def expert_rows_backward(state: ExpertRowsState, tiles: ExpertTiles, take_input_grad=None):
+    """(what ``take_input_grad`` made of the rows' input gradient (the gradient itself
+    when None), grad w1, grad w2, grad w3 in the weights' dtypes), from ``state.grad_y``.
+
+    The rows' input gradient (R, D), in ``y``'s layout, is handed to
+    ``take_input_grad`` as soon as it is computed, so a caller that reduces it (e.g. to
+    its tokens) lets it go before the weight gradients are allocated."""
+    first = w2_grad_first(state)
+    d_a1, d_a3 = _down_input_grad(state, tiles)
+    grad_w2 = _down_weight_grad(state, tiles) if first else None
+    d_rows = _rows_input_grad(d_a1, d_a3, state, tiles)
+    taken = d_rows if take_input_grad is None else take_input_grad(d_rows)
+    del d_rows
+    grad_w1, grad_w3 = _up_weight_grads(d_a1, d_a3, state, tiles)
+    del d_a1, d_a3
+    if not first:
+        grad_w2 = _down_weight_grad(state, tiles)
+    return taken, grad_w1, grad_w2, grad_w3

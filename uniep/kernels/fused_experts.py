@@ -15,9 +15,10 @@ Forward (4 launches):
   4. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
 Backward (7 launches): combine backward, its rows written in plan order (so the next
 launches load them contiguously, through the copy engine); down dgrad (a plain GEMM)
-and the SwiGLU backward in place; the w2 weight gradient; up dgrad (w1 and w3 in one
-accumulator) scattered to (token, k) order; fixed-order sum of each token's K input
-gradients; the w1 and w3 weight gradients in one launch. Each weight-gradient tile sums
+and the SwiGLU backward in place; up dgrad (w1 and w3 in one accumulator) scattered to
+(token, k) order; fixed-order sum of each token's K input gradients; the w1 and w3
+weight gradients in one launch; the w2 weight gradient first or last, whichever keeps
+less memory alive (``expert_rows.w2_grad_first``). Each weight-gradient tile sums
 its expert's rows in plan order inside one program.
 
 An autograd function, which a UniEP layer calls directly, or under torch.compile inside
@@ -34,12 +35,7 @@ import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
 from uniep.kernels.combine import topk_combine, topk_combine_bwd
-from uniep.kernels.expert_rows import (
-    down_backward,
-    expert_rows_forward,
-    rows_input_grad,
-    up_weight_grads,
-)
+from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
 
 
@@ -71,24 +67,23 @@ class _FusedExperts(torch.autograd.Function):
         (y_PD, state), score_before, tiles = take_for_backward(handle), ctx.score_before, ctx.tiles
         K = scores_TK.shape[1]
         # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
-        # the scores when applied after the experts. The launches' order keeps one (P, D)
-        # temporary alive at a time.
+        # the scores when applied after the experts. The backward owns grad y from here
+        # and releases it after its last use.
         plan_row = torch.empty_like(send_order_P)
         plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
-        grad_y_RD, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
-                                                  None if score_before else scores_TK, K, row_of_pair=plan_row)
+        state.grad_y, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
+                                                     None if score_before else scores_TK, K, row_of_pair=plan_row)
         del y_PD
-        d_a1, d_a3, grad_w2 = down_backward(grad_y_RD, state, tiles)
-        del grad_y_RD
-        d_rows_PD = rows_input_grad(d_a1, d_a3, state, tiles)
-        if score_before:
-            grad_x = topk_combine(d_rows_PD, scores_TK, K)
-            # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
-            _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
-        else:
-            grad_x = topk_combine(d_rows_PD, None, K)
-        del d_rows_PD
-        grad_w1, grad_w3 = up_weight_grads(d_a1, d_a3, state, tiles)
+
+        def input_grad(d_rows_PD):  # the K rows of each token summed (and the score gradient)
+            nonlocal grad_scores
+            if score_before:
+                # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
+                _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
+                return topk_combine(d_rows_PD, scores_TK, K)
+            return topk_combine(d_rows_PD, None, K)
+
+        grad_x, grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, tiles, input_grad)
         return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
 
 

@@ -55,9 +55,14 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         grad_out_TD = grad_out_TD.contiguous()
         grad_y_sent_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if before else scores_TK, K,
                                                        row_of_pair=plan.send_order_inverse)  # in send order
-        grad_y_RD = transport.dispatch(grad_y_sent_PD, plan)
-        d_rows_RD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(grad_y_RD, take_for_backward(handle), ctx.tiles)
-        d_rows_PD = transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
+        state = take_for_backward(handle)
+        state.grad_y = transport.dispatch(grad_y_sent_PD, plan)
+        del grad_y_sent_PD
+
+        def rows_back(d_rows_RD):  # the rows' input gradients back to their senders, (token, k) order
+            return transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
+
+        d_rows_PD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, ctx.tiles, rows_back)
         if before:
             grad_x = topk_combine(d_rows_PD, scores_TK, K)
             _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
