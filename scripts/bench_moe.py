@@ -1,6 +1,6 @@
 """UniEP layer vs TorchTitan 0.2.2's MoE, side by side in one process (one GPU).
 
-    python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep]
+    python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep [V,...]]
                                 [--ep 2,4,8 --transport megakernel]
 
 For each shape: same weights and inputs for both layers; correctness first (relative
@@ -8,9 +8,12 @@ error of output and input gradient against an fp32 computation of the same routi
 then median forward and forward+backward times (CUDA events, after warm-up), routed-
 expert TFLOP/s, peak memory allocated during forward+backward, and the time ratios
 against TorchTitan eager and TorchTitan under ``torch.compile`` (its best; the ratio
-that counts). The dense bf16
-matmul rate measured in the same run is printed for scale. ``--sweep`` also times a
-few GEMM tile settings of UniEP. ``--ep`` adds the megakernel with that many virtual
+that counts). Forward+backward is timed two ways: one call at a time, synchronized
+after each (the host's work before the call's first large kernel is counted), and
+calls issued back to back, as the layers of a training step are (the host issues the
+next call while the device runs this one; ``back_to_back_cuda_ms``). The dense bf16
+matmul rate measured in the same run is printed for scale. ``--sweep`` also times
+GEMM tile settings of UniEP (all, or those named), then its defaults again. ``--ep`` adds the megakernel with that many virtual
 ranks on the one GPU (the whole W-rank protocol: pushes to peer buffers, flags, remote
 epilogues), checked bitwise against the one-rank UniEP layer first, with the bytes that
 would cross between ranks.
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from uniep.tune.measure import median_cuda_ms
+from uniep.tune.measure import back_to_back_cuda_ms, median_cuda_ms
 
 # shape name -> (tokens, dim, moe hidden, experts, top-k, shared experts, score func, route_norm)
 SHAPES = {
@@ -42,6 +45,7 @@ SWEEP = {
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_bn128": dict(gemm_block_n=128),
     "wgrad_stages4": dict(wgrad_num_stages=4),
+    "gemm_stages3": dict(gemm_num_stages=3),
 }
 
 
@@ -55,10 +59,14 @@ class Row:
     fwd_bwd_ms: float
     tflops_fwd_bwd: float
     peak_gib: float
+    fwd_bwd_back_to_back_ms: float
     vs_eager: float = 1.0
-    """TorchTitan eager's fwd+bwd time over this row's."""
+    """TorchTitan eager's fwd+bwd time over this row's (synchronized calls)."""
     vs_compiled: float = 1.0
-    """TorchTitan compiled's fwd+bwd time over this row's."""
+    """TorchTitan compiled's fwd+bwd time over this row's (synchronized calls)."""
+    vs_eager_back_to_back: float = 1.0
+    vs_compiled_back_to_back: float = 1.0
+    """The same ratios for calls issued back to back."""
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -126,12 +134,13 @@ def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
 
     fwd_ms = median_cuda_ms(fwd, warmup, iters)
     fwd_bwd_ms = median_cuda_ms(fwd_bwd, warmup, iters)
+    back_to_back_ms = back_to_back_cuda_ms(fwd_bwd, warmup, iters)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak)
+    return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak, back_to_back_ms)
 
 
 def profile_kernels(name, layer, x, grad) -> None:
@@ -209,13 +218,16 @@ def run_shape(shape, args) -> list[Row]:
 
         from uniep import UniEPConfig
 
-        for label, knobs in SWEEP.items():
-            variant = copy.copy(uniep)
-            variant.config = replace(UniEPConfig(backend="triton"), **knobs)
+        for label in args.sweep:
+            variant = copy.copy(uniep)  # shares the experts module, so its path too
+            variant.config = replace(UniEPConfig(backend="triton"), **SWEEP[label])
             try:
                 rows.append(measure(f"uniep[{label}]", variant, x, grad, ref, flops, args.warmup, args.iters))
             except OutOfResources as e:
                 print(f"  {shape} uniep[{label}]: skipped ({e})", flush=True)
+        uniep.config = uniep.config  # its own path again
+        # the defaults once more: the spread between the two is the noise of this run
+        rows.append(measure("uniep[default again]", uniep, x, grad, ref, flops, args.warmup, args.iters))
     if args.profile:
         profile_kernels("UniEP", uniep, x, grad)
         profile_kernels("compiled TorchTitan", titan_compiled, x, grad)
@@ -223,6 +235,8 @@ def run_shape(shape, args) -> list[Row]:
         row.shape = shape
         row.vs_eager = rows[0].fwd_bwd_ms / row.fwd_bwd_ms
         row.vs_compiled = rows[1].fwd_bwd_ms / row.fwd_bwd_ms
+        row.vs_eager_back_to_back = rows[0].fwd_bwd_back_to_back_ms / row.fwd_bwd_back_to_back_ms
+        row.vs_compiled_back_to_back = rows[1].fwd_bwd_back_to_back_ms / row.fwd_bwd_back_to_back_ms
     del titan, titan_compiled, uniep
     torch.cuda.empty_cache()
     return rows
@@ -233,7 +247,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,dsv3_16b,dsv3_671b,qwen3_4k,qwen3_32k")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="also time a few tile settings")
+    parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
+                        help=f"also time these tile settings (default: all of {', '.join(SWEEP)}), then the defaults again")
     parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")
     parser.add_argument("--ep", default="", help="expert-parallel degrees to add, e.g. 2,4,8 (virtual ranks)")
     parser.add_argument("--transport", default="megakernel", choices=["megakernel"],
@@ -241,12 +256,14 @@ def main() -> None:
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     args.ep = [int(w) for w in args.ep.split(",") if w]
+    args.sweep = [v for v in args.sweep.split(",") if v]
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
     shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        sys.exit(f"--shapes: unknown {unknown}; allowed: {', '.join(SHAPES)}")
+    for field, given, allowed in (("--shapes", shapes, SHAPES), ("--sweep", args.sweep, SWEEP)):
+        unknown = [g for g in given if g not in allowed]
+        if unknown:
+            sys.exit(f"{field}: unknown {unknown}; allowed: {', '.join(allowed)}")
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     dense = dense_tflops()
@@ -257,15 +274,19 @@ def main() -> None:
         for row in [r for r in rows if r.shape == shape]:
             print(f"  {row.shape:10s} {row.layer:34s} fwd {row.fwd_ms:7.2f} ms  fwd+bwd {row.fwd_bwd_ms:7.2f} ms  "
                   f"{row.tflops_fwd_bwd:5.0f} TFLOP/s  peak {row.peak_gib:5.2f} GiB  "
-                  f"x{row.vs_eager:.2f} eager x{row.vs_compiled:.2f} compiled  "
+                  f"x{row.vs_eager:.2f} eager x{row.vs_compiled:.2f} compiled; back to back "
+                  f"{row.fwd_bwd_back_to_back_ms:7.2f} ms x{row.vs_eager_back_to_back:.2f} eager "
+                  f"x{row.vs_compiled_back_to_back:.2f} compiled  "
                   f"err out {row.rel_err_out:.2e} dx {row.rel_err_grad_x:.2e}", flush=True)
 
     header = ("| shape | layer | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | vs TorchTitan eager | "
-              "vs TorchTitan compiled | rel err out | rel err dx |")
-    print("\n" + header + "\n|" + "---|" * 10)
+              "vs TorchTitan compiled | back to back ms | vs eager | vs compiled | rel err out | rel err dx |")
+    print("\n" + header + "\n|" + "---|" * 13)
     for r in rows:
         print(f"| {r.shape} | {r.layer} | {r.fwd_ms:.2f} | {r.fwd_bwd_ms:.2f} | {r.tflops_fwd_bwd:.0f} | "
-              f"{r.peak_gib:.2f} | {r.vs_eager:.2f} | {r.vs_compiled:.2f} | {r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
+              f"{r.peak_gib:.2f} | {r.vs_eager:.2f} | {r.vs_compiled:.2f} | {r.fwd_bwd_back_to_back_ms:.2f} | "
+              f"{r.vs_eager_back_to_back:.2f} | {r.vs_compiled_back_to_back:.2f} | "
+              f"{r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dense_tflops": dense, "rows": [asdict(r) for r in rows]}, f, indent=2)
