@@ -63,13 +63,18 @@ def test_fused_matches_torch_path(T, K, E, D, H, kind, score_before):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_bitwise_across_program_counts():
-    gen = torch.Generator().manual_seed(1)
+def small_problem(seed):
+    """(routing order, counts, [x, scores, w1, w2, w3], grad of the output) of a small random layer."""
+    gen = torch.Generator().manual_seed(seed)
     T, K, E, D, H = 12, 2, 4, 32, 16
     _, order, counts = make_routing(T, K, E, "random", gen)
     inputs = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
               torch.randn(E, H, D, generator=gen), torch.randn(E, D, H, generator=gen), torch.randn(E, H, D, generator=gen)]
-    grad = torch.randn(T, D, generator=gen)
+    return order, counts, inputs, torch.randn(T, D, generator=gen)
+
+
+def test_bitwise_across_program_counts():
+    order, counts, inputs, grad = small_problem(1)
     runs = []
     for programs in (1, 5):
         tiles = GemmTiles(16, 16, 16, num_programs=programs)
@@ -159,12 +164,7 @@ def test_w2_gradient_first_or_last_gives_the_same_bits_and_holds_less(monkeypatc
     they are many. Negative control: a w2 gradient run on the wrong rows differs."""
     from uniep.kernels import expert_rows
 
-    gen = torch.Generator().manual_seed(2)
-    T, K, E, D, H = 12, 2, 4, 32, 16
-    _, order, counts = make_routing(T, K, E, "random", gen)
-    inputs = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
-              torch.randn(E, H, D, generator=gen), torch.randn(E, D, H, generator=gen), torch.randn(E, H, D, generator=gen)]
-    grad = torch.randn(T, D, generator=gen)
+    order, counts, inputs, grad = small_problem(2)
 
     def run():
         return fwd_bwd(lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False,
