@@ -10,7 +10,10 @@
 ``run`` trains, one after the other with ``scripts/run_train.sh`` on the same seed and
 data: the candidate (the config as given), the baseline and ``--noise-runs`` more runs
 of the baseline (default 1) with a change that changes no math (non-deterministic
-kernels, twice the CPU threads), which measure the noise band. ``--baseline
+kernels, twice the CPU threads, and each batch as two gradient-accumulation
+microbatches, ``recipes.train --microbatches 2``, where the local batch size is even:
+on a GPU in float32 the first two alone can leave a run bit for bit the same, a band
+of 0), which measure the noise band. ``--baseline
 torchtitan`` (default) swaps the UniEP model for TorchTitan's own MoE (``uniep_qwen3`` ->
 ``titan_qwen3``; on a machine without GPUs at expert-parallel degree 1, since
 TorchTitan's EP needs a Triton GPU kernel); ``--baseline uniep`` runs the config again
@@ -136,13 +139,26 @@ def _run_all(args, overrides: list[str]) -> tuple[list[Path], list[str], Path]:
     names = _names(args.names, defaults)
     out = Path(args.out or f"outputs/parity/{Path(args.config).stem}-vs-{args.baseline}")
     folders = [out / _folder(n) for n in names]
-    noise = [a for a in base if a != "--debug.deterministic"]
+    noise = noise_args(config, base)
     threads = str(2 * int(os.environ.get("OMP_NUM_THREADS", "1")))
     train(names[0], args.config, folders[0], cand)
     train(names[1], args.config, folders[1], base)
     for name, folder in zip(names[2:], folders[2:]):
         train(name, args.config, folder, noise, env={"OMP_NUM_THREADS": threads})
     return folders, names, out
+
+
+def noise_args(config: dict, base: list[str]) -> list[str]:
+    """The baseline's arguments for a noise run: non-deterministic kernels and, where the
+    local batch splits in two, two gradient-accumulation microbatches per step."""
+    noise = [a for a in base if a != "--debug.deterministic"]
+    local = int(job_setting(config, base, "training", "local_batch_size", 8))  # TorchTitan's default
+    if local % 2 == 0:
+        return [*noise, "--microbatches", "2"]
+    print(f"[parity] noise runs: training.local_batch_size = {local} does not split into two microbatches; "
+          "they change only the kernels' determinism and the CPU threads (on a GPU that can change nothing: "
+          "a band of 0)", flush=True)
+    return noise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -136,6 +136,29 @@ def check_job(job_config, train_spec, world_size: int) -> None:
         )
 
 
+def split_into_microbatches(job_config, microbatches: int, world_size: int) -> None:
+    """Each rank's batch as ``microbatches`` gradient-accumulation steps of
+    ``local_batch_size / microbatches`` samples: the same samples per optimizer step and,
+    since TorchTitan divides every microbatch's summed loss by the step's token count,
+    the same step in exact arithmetic; in floating point the GEMM shapes and the
+    gradient sums differ by rounding (the parity tool's noise runs use this)."""
+    from torchtitan.distributed import ParallelDims
+
+    local = job_config.training.local_batch_size
+    if microbatches < 1 or local % microbatches:
+        raise PreflightError(
+            f"--microbatches = {microbatches} must be >= 1 and divide training.local_batch_size = {local}"
+        )
+    par = job_config.parallelism
+    dims = ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+                        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                        ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree, world_size=world_size)
+    batch_degree = dims.dp_replicate * dims.dp_shard  # TorchTitan's "batch" mesh
+    if job_config.training.global_batch_size < 0:
+        job_config.training.global_batch_size = local * batch_degree
+    job_config.training.local_batch_size = local // microbatches
+
+
 def check_backend(backend: str) -> None:
     """``backend = 'triton'`` runs on CUDA GPUs (the Triton interpreter stands in on CPU
     test machines)."""

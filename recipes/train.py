@@ -3,7 +3,9 @@
 Run it under torchrun (``scripts/run_train.sh`` does). On top of TorchTitan's own flags
 it takes ``--resume`` (continue from an existing checkpoint folder) and
 ``--overwrite-checkpoints`` (delete it first); without either, an existing checkpoint
-folder stops the run before it starts. ``--check-only`` runs the checks alone, in one
+folder stops the run before it starts. ``--microbatches N`` splits each rank's batch
+into N gradient-accumulation steps (the same step in exact arithmetic, other rounding:
+the parity tool's noise runs). ``--check-only`` runs the checks alone, in one
 process, and exits (0, or 2 with the error): ``scripts/run_train.sh`` calls it before
 torchrun starts, so a bad config gives one message, not one per rank.
 """
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--overwrite-checkpoints", action="store_true")
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--microbatches", type=int, default=1)
     ours, titan_args = parser.parse_known_args(argv)
 
     apply_cpu_shims()
@@ -46,9 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         toml = preflight.check_toml(config_file, overridden) if config_file is not None else {}
         titan_args = preflight.resolve_embedded_tokenizer(titan_args, toml)
         job_config = preflight.config_manager(overridden).parse_args(titan_args)
-        preflight.check_job(
-            job_config, get_train_spec(job_config.model.name), int(os.environ.get("WORLD_SIZE", "1"))
-        )
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        preflight.check_job(job_config, get_train_spec(job_config.model.name), world_size)
+        if ours.microbatches != 1:
+            preflight.split_into_microbatches(job_config, ours.microbatches, world_size)
         warning = preflight.check_checkpoint_folder(
             job_config, resume=ours.resume, overwrite=ours.overwrite_checkpoints, is_rank0=rank0,
         )

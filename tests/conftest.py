@@ -52,8 +52,9 @@ def deepseek_runs(tmp_path_factory):
     - torchtitan: TorchTitan's own MoE (EP = 1: its EP needs a GPU kernel);
     - perturbed_lr: UniEP with twice the learning rate (a planted difference), and
       ``[uniep] config = "auto"`` (on CPU it resolves the schedule without using it);
-    - torchtitan_noise: the TorchTitan run again on twice the CPU threads (a change of
-      no math: the parity tool's noise run);
+    - torchtitan_noise: the TorchTitan run again on twice the CPU threads, each batch
+      as two gradient-accumulation microbatches (changes of no math: the parity tool's
+      noise run);
     - wrong_scores: UniEP with every router score scaled by 0.98 (``tests.wrong_variant``).
     """
     from tests.training import run_train
@@ -69,6 +70,6 @@ def deepseek_runs(tmp_path_factory):
     titan = ("--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
     run_train(config, runs["torchtitan"], *titan)
     run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3", "--uniep.config", "auto")
-    run_train(config, runs["torchtitan_noise"], *titan, threads=2)
+    run_train(config, runs["torchtitan_noise"], *titan, "--microbatches", "2", threads=2)
     run_train(config, runs["wrong_scores"], "--experimental.custom_import", "tests.wrong_variant")
     return runs

@@ -125,6 +125,19 @@ def test_run_labels_come_from_what_ran():
     assert label(config, ["--model.name", "titan_qwen3", "--parallelism.expert_parallel_degree=1"]) == "titan_qwen3[ep1]"
 
 
+def test_noise_runs_split_each_batch_where_it_splits(capsys):
+    """A noise run changes rounding, not math: non-deterministic kernels and two
+    gradient-accumulation microbatches (on a GPU in float32 the kernels alone changed
+    no bit of TorchTitan's run, so the band was 0). An odd batch cannot split: said."""
+    from recipes.parity_cli import noise_args
+
+    base = ["--debug.deterministic", "--model.name", "titan_qwen3"]
+    assert noise_args({"training": {"local_batch_size": 4}}, base) == ["--model.name", "titan_qwen3", "--microbatches", "2"]
+    odd = [*base, "--training.local_batch_size", "1"]
+    assert noise_args({"training": {"local_batch_size": 4}}, odd) == odd[1:]
+    assert "does not split into two microbatches" in capsys.readouterr().out
+
+
 def test_reports_are_written(tmp_path):
     report = compare(run("uniep", noisy(30, 1)), run("torchtitan", noisy(30, 2)), [run("torchtitan~noise1", noisy(30, 3))])
     paths = write_reports(report, tmp_path)

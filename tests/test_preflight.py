@@ -239,3 +239,22 @@ def test_a_config_error_is_one_message_before_torchrun(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "configuration error" in line]
     assert errors == ["uniep: configuration error: training.steps = 0 must be >= 1"], result.stderr[-2000:]
     assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("n", ["3", "0"])
+def test_microbatches_must_divide_the_local_batch(train, n):
+    assert_stopped_with(train("--check-only", "--microbatches", n),
+                        f"--microbatches = {n} must be >= 1 and divide training.local_batch_size = 2")
+
+
+def test_two_microbatches_keep_the_samples_per_step():
+    """Two gradient-accumulation steps of half the batch: the same global batch (2 per
+    rank x 2 data-parallel ranks), and the same when it was given."""
+    from recipes import preflight
+
+    job = preflight.config_manager(set()).parse_args(["--job.config_file", str(CONFIG)])
+    preflight.split_into_microbatches(job, 2, world_size=2)
+    assert (job.training.local_batch_size, job.training.global_batch_size) == (1, 4)
+    job = preflight.config_manager(set()).parse_args(["--job.config_file", str(CONFIG), "--training.global_batch_size", "8"])
+    preflight.split_into_microbatches(job, 2, world_size=2)
+    assert (job.training.local_batch_size, job.training.global_batch_size) == (1, 8)
