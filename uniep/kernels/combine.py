@@ -118,3 +118,17 @@ def topk_combine_bwd(
         BLOCK_D=_block_d(D),
     )
     return (grad_rows if write_rows else None), grad_w
+
+
+def tokens_input_grad(d_rows_PD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor,
+                      score_before: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(grad x (T, D), grad scores (T, K) fp32 or None)`` from the gradients of the
+    tokens' K expert input rows, in (token, k) order: summed in fixed order per token,
+    scaled by the scores when they were applied before the experts, whose gradient is
+    then ``<x[t], d rows[t*K + k]>``; None when the scores came after the experts (the
+    combine backward gives theirs)."""
+    K = scores_TK.shape[1]
+    if not score_before:
+        return topk_combine(d_rows_PD, None, K), None
+    _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
+    return topk_combine(d_rows_PD, scores_TK, K), grad_scores

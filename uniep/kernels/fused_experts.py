@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
-from uniep.kernels.combine import topk_combine, topk_combine_bwd
+from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
 
@@ -74,16 +74,9 @@ class _FusedExperts(torch.autograd.Function):
         state.grad_y, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
                                                      None if score_before else scores_TK, K, row_of_pair=plan_row)
         del y_PD
-
-        def input_grad(d_rows_PD):  # the K rows of each token summed (and the score gradient)
-            nonlocal grad_scores
-            if score_before:
-                # d score[t, k] = <x[t], d rows[t*K + k]>: the combine backward's weight gradient
-                _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
-                return topk_combine(d_rows_PD, scores_TK, K)
-            return topk_combine(d_rows_PD, None, K)
-
-        grad_x, grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, tiles, input_grad)
+        (grad_x, grad_scores_before), grad_w1, grad_w2, grad_w3 = expert_rows_backward(
+            state, tiles, lambda d_rows_PD: tokens_input_grad(d_rows_PD, x_TD, scores_TK, score_before))
+        grad_scores = grad_scores_before if score_before else grad_scores
         return grad_x, grad_scores, None, None, grad_w1, grad_w2, grad_w3, None, None
 
 

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
-from uniep.kernels.combine import topk_combine, topk_combine_bwd
+from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles
@@ -59,15 +59,12 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         state.grad_y = transport.dispatch(grad_y_sent_PD, plan)
         del grad_y_sent_PD
 
-        def rows_back(d_rows_RD):  # the rows' input gradients back to their senders, (token, k) order
-            return transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
+        def tokens_back(d_rows_RD):  # the rows' input gradients back to their senders, then to tokens
+            d_rows_PD = transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
+            return tokens_input_grad(d_rows_PD, x_TD, scores_TK, before)
 
-        d_rows_PD, grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, ctx.tiles, rows_back)
-        if before:
-            grad_x = topk_combine(d_rows_PD, scores_TK, K)
-            _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
-        else:
-            grad_x = topk_combine(d_rows_PD, None, K)
+        (grad_x, grad_scores_before), grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, ctx.tiles, tokens_back)
+        grad_scores = grad_scores_before if before else grad_scores
         return grad_x, grad_scores, grad_w1, grad_w2, grad_w3, None, None, None, None
 
 
