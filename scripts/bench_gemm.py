@@ -11,7 +11,7 @@ gradients of w2 and of w1/w3), each timed alone (median of CUDA events after war
 under every variant, with its TFLOP/s.
 Correctness first: each launch of the default settings against an fp32 PyTorch
 computation of the same rows, and every variant against the default: bitwise where it
-only changes the schedule (warps, stages, programs, descriptor loads and stores, fused or separate
+only changes the schedule (warps, stages, programs, descriptor loads, fused or separate
 SwiGLU backward, where rows are gathered), within bf16
 rounding where it changes the tiles. A variant that fails, or cannot launch (e.g. out of registers), is reported and
 not timed.
@@ -57,7 +57,6 @@ VARIANTS = {
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
     "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
-    "pointer_stores": dict(descriptor_stores=False),
     "gemm_stages3": dict(gemm_num_stages=3),
     "gemm_stages5": dict(gemm_num_stages=5),
     "gemm_bn128": dict(gemm_block_n=128),
@@ -73,7 +72,7 @@ VARIANTS = {
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "descriptor_stores", "swiglu_bwd_fused", "gather_in_kernel"}
+                  "num_programs", "descriptor_loads", "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:

@@ -43,7 +43,6 @@ SHAPES = {
 
 SWEEP = {
     "pointer_loads": dict(descriptor_loads=False),
-    "pointer_stores": dict(descriptor_stores=False),
     "gemm_bn128": dict(gemm_block_n=128),
     "wgrad_stages4": dict(wgrad_num_stages=4),
     "gemm_stages3": dict(gemm_num_stages=3),

@@ -99,10 +99,6 @@ class UniEPConfig:
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead
     of pointer loads. Does not change bits."""
-    descriptor_stores: bool = True
-    """Grouped GEMMs and weight gradients write the output tiles they do not scatter
-    through tensor descriptors (TMA stores), where shared memory allows it with at
-    least 2 pipeline stages, instead of pointer stores. Does not change bits."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -86,7 +86,6 @@ def test_bitwise_repeatable_and_schedule_invariant():
     first = fwd_bwd(uniep, x, grad)
     schedules = [dict(num_programs=p) for p in (0, 0, 7, 300)] + [
         dict(descriptor_loads=False),
-        dict(descriptor_stores=False),
         dict(gemm_num_stages=3, wgrad_num_stages=2),
         dict(gemm_num_warps=4, wgrad_num_warps=4),
     ]

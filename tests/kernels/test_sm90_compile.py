@@ -5,7 +5,7 @@ the wrong rank, a shared-memory overflow), and without this test such an error s
 only on a GPU.
 
 Each case is a specialization the Triton paths launch with the default tiles (bf16,
-descriptor loads and stores on, 128-row tiles)."""
+descriptor loads on, 128-row tiles)."""
 
 import inspect
 import json
@@ -20,22 +20,18 @@ pytest.importorskip("triton")
 from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK  # noqa: E402
 
 # Cases: (kernel, constants that differ from the defaults below). Each is a
-# specialization the Triton paths launch with the default tiles (bf16, descriptor loads;
-# descriptor stores where the output is not scattered).
+# specialization the Triton paths launch with the default tiles (bf16, descriptor loads).
 GEMM = "grouped_gemm"
 WGRAD = "wgrad"
 CASES = {
-    "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128, C_DESC=True, num_stages=4)),
-    "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True, num_stages=4)),
-    "down input gradient": (GEMM, dict(MODE=0, B_TRANSPOSED=False, C_DESC=True, num_stages=4)),
-    "up input gradient": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True, num_stages=4)),
-    "up input gradient, rows in plan order (all_to_all)": (GEMM, dict(MODE=3, B_TRANSPOSED=False, C_DESC=True,
-                                                                      num_stages=4)),
+    "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
+    "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
+    "down input gradient": (GEMM, dict(MODE=0, B_TRANSPOSED=False)),
+    "up input gradient": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True)),
     "megakernel down input gradient": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128)),
     "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
-    "w2 gradient": (WGRAD, dict(HALVES=1, C_DESC=True)),
-    "w1/w3 gradient": (WGRAD, dict(HALVES=2, C_DESC=True)),
-    "w1/w3 gradient, pointer stores": (WGRAD, dict(HALVES=2)),
+    "w2 gradient": (WGRAD, dict(HALVES=1)),
+    "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
     # the controls: a kernel the compiler rejects (tl.arange of 96), tiles too large
     # for shared memory (found in the compiled kernel's metadata)
     "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
@@ -58,13 +54,13 @@ def compile_sm90(name: str) -> dict:
         kernel = grouped_gemm._grouped_gemm_kernel
         types = dict.fromkeys(("a_ptr", "a2_ptr", "b_ptr", "b2_ptr", "c_ptr", "c2_ptr", "aux1_ptr", "aux3_ptr"),
                               "*bf16")
-        types |= dict.fromkeys(("N", "Kd", "num_experts", "rows_a", "rows_c", "stride_am", "stride_be", "stride_bk",
+        types |= dict.fromkeys(("N", "Kd", "num_experts", "rows_a", "stride_am", "stride_be", "stride_bk",
                                 "stride_bn", "stride_cm", "stride_auxm"), "i32")
         types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", expert_offsets_ptr="*i32",
                       tile_offsets_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
                          B_TRANSPOSED=True, NUM_PROGRAMS=132, LOG2_E=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                         DOT_PRECISION="tf32", C_DESC=False)
+                         DOT_PRECISION="tf32")
     else:
         kernel = wgrad._grouped_wgrad_kernel
         types = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "c2_ptr"), "*bf16")
@@ -74,7 +70,7 @@ def compile_sm90(name: str) -> dict:
                       expert_offsets_ptr="*i32")
         constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
                          A_DESC=True, B_DESC=True, NUM_PROGRAMS=132, NUM_STAGES=3, BLOCK_M=128, BLOCK_N=256,
-                         BLOCK_K=64, DOT_PRECISION="tf32", C_DESC=False)
+                         BLOCK_K=64, DOT_PRECISION="tf32")
     constants |= changes
     params = list(inspect.signature(kernel.fn).parameters)
     signature = {p: "constexpr" if p in constants else types[p] for p in params}

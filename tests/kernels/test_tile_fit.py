@@ -86,37 +86,3 @@ def test_expert_tiles_from_a_config():
     assert (tiles.up.block_n, tiles.gemm.block_n, tiles.wgrad.block_k, tiles.wgrad_up.block_n) == (64, 256, 32, 128)
     assert tiles.gemm.num_programs == tiles.wgrad_up.num_programs == 7 and not tiles.up.descriptors
     assert ExpertTiles.from_config(UniEPConfig()).gemm.num_programs is None  # 0: one per SM
-
-
-def test_descriptor_stores_make_room_by_fewer_stages_only():
-    """The store buffer (half an output tile) comes out of the pipeline stages, never
-    out of the tiles (the bits); where 2 stages leave no room the stores stay pointer
-    stores. Also: a launch that scatters its output never stores through descriptors."""
-    import dataclasses
-
-    storing = dict(descriptors=True, descriptor_stores=True)
-    # the bf16 defaults: the plain GEMMs keep 4 stages (192 KiB + 32 KiB buffer), the weight gradients 3
-    for tiles, operands in ((GemmTiles(128, 256, 64, 8, 4, **storing), (1, 1)),
-                            (GemmTiles(128, 128, 64, 8, 4, **storing), (1, 2)),
-                            (GemmTiles(128, 256, 64, 8, 3, **storing), (1, 1))):
-        assert tiles.fitted(torch.bfloat16, CPU, *operands, stores=True) == tiles
-        assert not tiles.fitted(torch.bfloat16, CPU, *operands).descriptor_stores  # scattered output
-    # 5 stages of 128x256x64 (240 KiB) already need 4; with the buffer, still 4
-    five = GemmTiles(128, 256, 64, 8, 5, **storing)
-    assert five.fitted(torch.bfloat16, CPU, stores=True) == dataclasses.replace(five, num_stages=4)
-    # float32: gate/up at 2 stages (192 KiB) has room for its 32 KiB buffer; the plain
-    # 128x256 at 2 stages (192 KiB) has none for its 64 KiB: pointer stores, the same tiles
-    gate_up = GemmTiles(128, 128, 64, 8, 4, **storing).fitted(torch.float32, CPU, 1, 2, stores=True)
-    assert (gate_up.block_k, gate_up.num_stages, gate_up.descriptor_stores) == (64, 2, True)
-    plain = GemmTiles(128, 256, 64, 8, 4, **storing)
-    for dtype, stages, stores in ((torch.float32, 2, False), (torch.bfloat16, 4, True)):
-        fitted = plain.fitted(dtype, CPU, stores=True)
-        assert (fitted.block_k, fitted.num_stages, fitted.descriptor_stores) == (64, stages, stores)
-    for tiles, (a_tiles, b_tiles) in itertools.product(_candidate_tiles(), OPERANDS):
-        tiles = dataclasses.replace(tiles, **storing)
-        for dtype in DTYPES:
-            plain = tiles.fitted(dtype, CPU, a_tiles, b_tiles)
-            fitted = tiles.fitted(dtype, CPU, a_tiles, b_tiles, stores=True)
-            assert (fitted.block_m, fitted.block_n, fitted.block_k) == (plain.block_m, plain.block_n, plain.block_k)
-            buffer = fitted.block_m * fitted.block_n // 2 * dtype.itemsize if fitted.descriptor_stores else 0
-            assert _smem(fitted, dtype, a_tiles, b_tiles) + buffer <= H200_SMEM_PER_BLOCK

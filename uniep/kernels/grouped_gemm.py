@@ -90,13 +90,8 @@ class GemmTiles:
     descriptors: bool = False
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
-    descriptor_stores: bool = False
-    """Write output tiles that are not scattered through tensor descriptors (TMA stores,
-    each tile in two halves), where the shared memory allows it; else pointer stores.
-    The bits are the same."""
 
-    def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1,
-               stores: bool = False) -> "GemmTiles":
+    def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
 
         Fewer pipeline stages first (down to 2; the bits stay), then a shorter
@@ -105,22 +100,18 @@ class GemmTiles:
         tiles, the dtype and the device's limit, so every path that launches the same
         tiles (one rank, all_to_all, megakernel) fits them the same way and the bits
         stay path-independent. bf16 with the default tiles fits as given on an H200.
-        ``stores``: the launch could store through descriptors; with
-        ``descriptor_stores`` room is then made for the store buffer (half an output
-        tile) by fewer stages only, down to 2, else the stores stay pointer stores
-        (``descriptor_stores`` of the result says which). Cached: every launch asks again.
+        Cached: every launch asks again.
         """
-        return _fit(self, dtype, smem_limit(torch.device(device)), a_tiles, b_tiles, stores)
+        return _fit(self, dtype, smem_limit(torch.device(device)), a_tiles, b_tiles)
 
 
 @functools.lru_cache(maxsize=None)
-def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles: int, stores: bool) -> GemmTiles:
+def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles: int) -> GemmTiles:
     elem = dtype.itemsize
-    tiles = dataclasses.replace(given, descriptor_stores=False)
+    tiles = given
 
-    def fits(t: GemmTiles, store_buffer: int = 0) -> bool:
-        pipeline = shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles)
-        return pipeline + store_buffer <= limit
+    def fits(t: GemmTiles) -> bool:
+        return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles) <= limit
 
     while not fits(tiles) and tiles.num_stages > 2:
         tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
@@ -135,13 +126,6 @@ def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles
             f"GEMM tiles {given} cannot fit {limit} bytes of shared memory with {dtype} operands "
             "even at block_k 16, block_n 16 and 1 stage: lower block_m"
         )
-    if given.descriptor_stores and stores:
-        store_buffer = tiles.block_m * tiles.block_n // 2 * elem
-        storing = tiles
-        while not fits(storing, store_buffer) and storing.num_stages > 2:
-            storing = dataclasses.replace(storing, num_stages=storing.num_stages - 1)
-        if fits(storing, store_buffer):
-            tiles = dataclasses.replace(storing, descriptor_stores=True)
     return tiles
 
 
@@ -178,9 +162,9 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.descriptor_stores)
+                         programs, c.descriptor_loads)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, c.descriptor_stores)
+                          c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
@@ -204,35 +188,14 @@ def _tile_coords(tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_exp
                  LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tile ``tile`` of the schedule -> (expert, first row, first column, rows (BLOCK_M,),
     row mask, cols (BLOCK_N,), col mask)."""
-    e, row0, row_end, n0 = _tile_origin(tile, n_tiles, expert_offsets_ptr, tile_offsets_ptr, num_experts,
-                                        LOG2_E, BLOCK_M, BLOCK_N)
+    m_tile = tile // n_tiles
+    e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
+    row_end = tl.load(expert_offsets_ptr + e + 1)
+    row0 = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M
+    n0 = (tile % n_tiles) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     return e, row0, n0, rows, rows < row_end, cols, cols < N
-
-
-@triton.jit
-def _tile_origin(tile, n_tiles, expert_offsets_ptr, tile_offsets_ptr, num_experts,
-                 LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``tile`` of the schedule -> (expert, first row, the expert's end row, first column)."""
-    m_tile = tile // n_tiles
-    e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
-    row0 = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M
-    return e, row0, tl.load(expert_offsets_ptr + e + 1), (tile % n_tiles) * BLOCK_N
-
-
-@triton.jit
-def store_in_halves(desc, x0, y0, tile, X: tl.constexpr, Y: tl.constexpr, expert=None):
-    """Store the (X, Y) ``tile`` at (x0, y0) through ``desc`` (of expert ``expert``'s
-    block when given: a 3-d descriptor) as two (X, Y/2) halves: a store buffer of
-    half the shared memory; the descriptor clips what lies past its edges."""
-    left, right = tile.reshape(X, 2, Y // 2).permute(0, 2, 1).split()
-    if expert is None:
-        desc.store([x0, y0], left)
-        desc.store([x0, y0 + Y // 2], right)
-    else:
-        desc.store([expert, x0, y0], left.reshape(1, X, Y // 2))
-        desc.store([expert, x0, y0 + Y // 2], right.reshape(1, X, Y // 2))
 
 
 @triton.jit
@@ -338,23 +301,6 @@ def _tile_store(
 
 
 @triton.jit
-def _tile_store_rows(acc, acc3, row0, n0, c_desc, aux1_desc, aux3_desc, out_ty: tl.constexpr, MODE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_tile_store`` of a tile whose rows all belong to its expert, written in row
-    order through descriptors (PLAIN, DUAL, SWIGLU_FWD): the same values."""
-    if MODE == _SWIGLU_FWD:
-        a1 = acc.to(out_ty)
-        a3 = acc3.to(out_ty)
-        store_in_halves(aux1_desc, row0, n0, a1, BLOCK_M, BLOCK_N)
-        store_in_halves(aux3_desc, row0, n0, a3, BLOCK_M, BLOCK_N)
-        a1f = a1.to(tl.float32)
-        h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
-        store_in_halves(c_desc, row0, n0, h.to(out_ty), BLOCK_M, BLOCK_N)
-    else:
-        store_in_halves(c_desc, row0, n0, acc.to(out_ty), BLOCK_M, BLOCK_N)
-
-
-@triton.jit
 def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weights as a descriptor in their stored layout, (E, N, Kd) when B[e] is the
@@ -377,11 +323,11 @@ def _grouped_gemm_kernel(
     aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
     expert_offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
-    N, Kd, num_experts, rows_a, rows_c,
+    N, Kd, num_experts, rows_a,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -402,24 +348,12 @@ def _grouped_gemm_kernel(
         if MODE == _SWIGLU_FWD or MODE == _DUAL:
             b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                          BLOCK_N, BLOCK_K)
-    c_desc = c_ptr
-    aux1_desc = aux1_ptr
-    aux3_desc = aux3_ptr
-    if C_DESC:  # output rows in plan order (no C_ROW); blocks (BLOCK_M, BLOCK_N / 2)
-        c_desc = tl.make_tensor_descriptor(c_ptr, [rows_c, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // 2])
-        if MODE == _SWIGLU_FWD:
-            aux1_desc = tl.make_tensor_descriptor(aux1_ptr, [rows_c, N], [stride_auxm, 1], [BLOCK_M, BLOCK_N // 2])
-            aux3_desc = tl.make_tensor_descriptor(aux3_ptr, [rows_c, N], [stride_auxm, 1], [BLOCK_M, BLOCK_N // 2])
-    out_ty: tl.constexpr = c_ptr.dtype.element_ty
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        e, row0, row_end, n0 = _tile_origin(tile, n_tiles, expert_offsets_ptr, tile_offsets_ptr, num_experts,
-                                            LOG2_E, BLOCK_M, BLOCK_N)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask_m = rows < row_end
-        mask_n = cols < N
+        e, row0, n0, rows, mask_m, cols, mask_n = _tile_coords(
+            tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
+        )
         if HAS_A_ROW:
             a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
         else:
@@ -434,17 +368,8 @@ def _grouped_gemm_kernel(
             c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
         else:
             c_rows = rows.to(tl.int64)
-        # A tile's rows past its expert's end belong to the next expert: a descriptor
-        # store would overwrite them, so such a tile takes the masked pointer store.
-        if C_DESC:
-            if row0 + BLOCK_M <= row_end:
-                _tile_store_rows(acc, acc3, row0, n0, c_desc, aux1_desc, aux3_desc, out_ty, MODE, BLOCK_M, BLOCK_N)
-            else:
-                _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
-                            c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
-        else:
-            _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
-                        c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+        _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
+                    c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:
@@ -534,9 +459,7 @@ def grouped_gemm(
     """
     expert_offsets, tile_offs = offsets
     num_experts = w_E.shape[0]
-    # row-order outputs (not scattered) may be stored through descriptors
-    tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1,
-                         stores=c_row is None and mode != SWIGLU_BWD)
+    tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
     if a.shape[1] != Kd or not a.is_contiguous():
         raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")
@@ -560,8 +483,7 @@ def grouped_gemm(
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
-    c_desc = tiles.descriptor_stores and all(map(tma_readable, (c, aux1, aux3)))
-    if a_desc or b_desc or c_desc:
+    if a_desc or b_desc:
         use_descriptor_scratch(a.device)
     _grouped_gemm_kernel[(programs,)](
         a, a if a2 is None else a2,
@@ -572,11 +494,11 @@ def grouped_gemm(
         dummy if c_row is None else c_row,
         aux1, aux3,
         expert_offsets, tile_offs,
-        N, Kd, num_experts, a.shape[0], rows_c,
+        N, Kd, num_experts, a.shape[0],
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
-        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc,
+        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w,
         NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),

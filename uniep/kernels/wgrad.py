@@ -22,14 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import (
-    GemmTiles,
-    _num_programs,
-    dot_precision,
-    store_in_halves,
-    tma_readable,
-    use_descriptor_scratch,
-)
+from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, dot_precision, tma_readable, use_descriptor_scratch
 
 
 @triton.jit
@@ -89,7 +82,7 @@ def _grouped_wgrad_kernel(
     M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_DESC: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -102,19 +95,6 @@ def _grouped_wgrad_kernel(
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, M], [stride_am, 1], [BLOCK_K, BLOCK_M])
     if B_DESC:
         b_desc = tl.make_tensor_descriptor(b_ptr, [HALVES * rows_b, N], [stride_bm, 1], [BLOCK_K, BLOCK_N])
-    # C (and C2) as (E, M, N) descriptors, or (E, N, M) for the transposed halves; a tile
-    # is stored in two halves along its contiguous dim (``store_in_halves``)
-    c_desc = c_ptr
-    c2_desc = c2_ptr
-    if C_DESC:
-        if HALVES == 1:
-            c_desc = tl.make_tensor_descriptor(c_ptr, [num_experts, M, N], [stride_ce, stride_cm, 1],
-                                               [1, BLOCK_M, BLOCK_N // 2])
-        else:
-            c_desc = tl.make_tensor_descriptor(c_ptr, [num_experts, N, M], [stride_ce, stride_cm, 1],
-                                               [1, BLOCK_N, BLOCK_M // 2])
-            c2_desc = tl.make_tensor_descriptor(c2_ptr, [num_experts, N, M], [stride_ce, stride_cm, 1],
-                                                [1, BLOCK_N, BLOCK_M // 2])
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     # Within an expert's row tile of A, the tiles of B2 follow B's: one accumulator per
@@ -148,25 +128,16 @@ def _grouped_wgrad_kernel(
             a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
         )
-        out = acc.to(c_ptr.dtype.element_ty)
-        if C_DESC:
-            if HALVES == 1:
-                store_in_halves(c_desc, m0, n0, out, BLOCK_M, BLOCK_N, e)
-            elif half == 0:
-                store_in_halves(c_desc, n0, m0, tl.trans(out), BLOCK_N, BLOCK_M, e)
-            else:
-                store_in_halves(c2_desc, n0, m0, tl.trans(out), BLOCK_N, BLOCK_M, e)
+        c_mask = mask_m[:, None] & mask_n[None, :]
+        if HALVES == 1:
+            c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
+            tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
-            c_mask = mask_m[:, None] & mask_n[None, :]
-            if HALVES == 1:
-                c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
-                tl.store(c_ptr + c_offs, out, mask=c_mask)
+            c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
+            if half == 0:
+                tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
             else:
-                c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
-                if half == 0:
-                    tl.store(c_ptr + c_offs, out, mask=c_mask)
-                else:
-                    tl.store(c2_ptr + c_offs, out, mask=c_mask)
+                tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
 
 
 def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
@@ -216,14 +187,13 @@ def grouped_wgrad(
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
     """C = A^T B per expert (halves = 1), or C^T, C2^T from B's two stacked halves."""
     M, N = a.shape[1], b.shape[1]
-    tiles = tiles.fitted(a.dtype, a.device, stores=True)  # A tiles are (block_k, block_m), B (block_k, block_n)
+    tiles = tiles.fitted(a.dtype, a.device)  # A tiles are (block_k, block_m), B (block_k, block_n)
     upper_tiles = halves * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
-    c_desc = tiles.descriptor_stores and tma_readable(c) and tma_readable(c2)
-    if a_desc or b_desc or c_desc:
+    if a_desc or b_desc:
         use_descriptor_scratch(a.device)
     _grouped_wgrad_kernel[(programs,)](
         a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
@@ -232,7 +202,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, C_DESC=c_desc,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
