@@ -3,7 +3,8 @@
     python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep [V,...]]
                                 [--ep 2,4,8 --transport megakernel]
 
-For each shape: same weights and inputs for both layers; correctness first (relative
+For each shape: same weights and inputs for both layers, each eager and under
+``torch.compile``; correctness first (relative
 error of output and input gradient against an fp32 computation of the same routing),
 then median forward and forward+backward times (CUDA events, after warm-up), routed-
 expert TFLOP/s, peak memory allocated during forward+backward, and the time ratios
@@ -211,6 +212,9 @@ def run_shape(shape, args) -> list[Row]:
     titan_compiled = torch.compile(titan)
     rows.append(measure("torchtitan[compiled]", titan_compiled, x, grad, ref, flops, args.warmup, args.iters))
     rows.append(measure("uniep", uniep, x, grad, ref, flops, args.warmup, args.iters))
+    # UniEP as a compiled training step runs it: the routed experts behind their custom
+    # op, Inductor fusing the router's and the shared experts' ops around it
+    rows.append(measure("uniep[compiled]", torch.compile(uniep), x, grad, ref, flops, args.warmup, args.iters))
     if args.ep:
         rows += megakernel_rows(uniep, x, grad, ref, flops, args)
     if args.sweep:

@@ -26,6 +26,11 @@ row with the same code whatever the rows around it: there they need no blocks (c
 on a GPU by ``tests/kernels/test_gpu.py``)."""
 
 
+def rows_per_block(device: torch.device) -> int:
+    """Rows per block on ``device``."""
+    return ROWS_PER_BLOCK.get(device.type, DEFAULT_ROWS_PER_BLOCK)
+
+
 def in_fixed_row_blocks(
     fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor,
     then: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -33,7 +38,7 @@ def in_fixed_row_blocks(
     """``then(fn(x_TD))`` for a row-wise ``fn`` and an elementwise or per-row ``then``
     (optional): ``fn`` computed on blocks of a fixed number of rows, ``then`` too where
     the device needs it (each op costs host time; a block, four ops at 16384 tokens)."""
-    block = ROWS_PER_BLOCK.get(x_TD.device.type, DEFAULT_ROWS_PER_BLOCK)
+    block = rows_per_block(x_TD.device)
     if then is not None and x_TD.device.type not in ELEMENTWISE_BATCH_INVARIANT:
         fn, then = _chained(fn, then), None
     T = x_TD.shape[0]

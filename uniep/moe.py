@@ -22,10 +22,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, Routing
-from uniep.paths import ExpertPath, build_expert_path
+from uniep.paths import ExpertPath, build_expert_path, on_triton, runs_triton
 from uniep.plan import expert_order
 from uniep.routed_op import register_path, registered_path
 from uniep.router import TopKRouter
+from uniep.shared_experts import shared_swiglu
 
 # (config, EP group, experts, score_before_experts, device type) -> the id of their
 # expert path: one path (its buffers, and one compiled graph) for all the layers of a model.
@@ -129,6 +130,8 @@ class UniEPMoE(nn.Module):
             _PATH_IDS[key] = register_path(build_expert_path(*key))
         self.experts.path_id = _PATH_IDS[key]
         self._config, self._ep_group, self._installed = config, group, False
+        # the shared experts run on Triton launches where the routed ones do
+        self._shared_on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not
@@ -259,7 +262,7 @@ class UniEPMoE(nn.Module):
 
         # The shared experts first: their GEMMs keep the device busy while the host
         # issues the router's and the routing plan's many small ops.
-        shared_TD = None if self.shared_experts is None else in_fixed_row_blocks(self.shared_experts, x_TD)
+        shared_TD = None if self.shared_experts is None else self._shared_experts(x_TD)
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
         counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
         with torch.no_grad():
@@ -269,6 +272,14 @@ class UniEPMoE(nn.Module):
         if shared_TD is not None:
             out_TD = shared_TD + out_TD
         return out_TD.view(B, S, D)
+
+    def _shared_experts(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """(T, D) shared-experts output, each row's bits independent of the batch: fused
+        launches (``uniep.shared_experts``) where the experts run on Triton, else (and
+        under torch.compile, whose Inductor fuses them) the module on fixed row blocks."""
+        if self._shared_on_triton and not torch.compiler.is_compiling():
+            return shared_swiglu(x_TD, self.shared_experts)
+        return in_fixed_row_blocks(self.shared_experts, x_TD)
 
     def _check_routing(self, topk_idx: torch.Tensor, tokens: int) -> None:
         """A given routing: (tokens, top_k) integers in [0, E), no expert twice in a row."""

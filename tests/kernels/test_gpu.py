@@ -43,8 +43,10 @@ def rel_err(a, b):
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     """On CUDA only the router's GEMM runs in fixed row blocks (its activation once on the
-    whole batch, ``ELEMENTWISE_BATCH_INVARIANT``): each token's scores must still have
-    the same bits whatever the rows around it, as expert parallelism needs."""
+    whole batch, ``ELEMENTWISE_BATCH_INVARIANT``), and the shared experts' SwiGLU once on
+    the whole batch (``uniep.shared_experts``): each token's scores, shared-experts output
+    and its input gradient must still have the same bits whatever the rows around it, as
+    expert parallelism needs."""
     from uniep import UniEPMoE
     from uniep.batch_invariant import ROWS_PER_BLOCK, in_fixed_row_blocks
 
@@ -53,11 +55,25 @@ def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     layer.init_weights(0.02)
     block = ROWS_PER_BLOCK["cuda"]
     x = torch.randn(2 * block + 37, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    assert layer._shared_on_triton  # the shared experts' fused launches (uniep.shared_experts)
+
+    def shared_input_grad(t, g):
+        t = t.clone().requires_grad_(True)
+        layer._shared_experts(t).backward(g)
+        return t.grad
+
+    sizes = (7, 1000, block, block + 1)
     with torch.no_grad():
-        for fn in (lambda t: layer.router(t)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t)):
+        for fn in (lambda t: layer.router(t)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t),
+                   layer._shared_experts):
             whole = fn(x)
-            for size in (7, 1000, block, block + 1):
+            for size in sizes:
                 assert torch.equal(torch.cat([fn(part) for part in x.split(size)]), whole), size
+    whole = shared_input_grad(x, grad)
+    for size in sizes:
+        parts = [shared_input_grad(xp, gp) for xp, gp in zip(x.split(size), grad.split(size))]
+        assert torch.equal(torch.cat(parts), whole), size
 
 
 @pytest.mark.parametrize("score_before", [False, True])

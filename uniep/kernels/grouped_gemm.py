@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from uniep.kernels.swiglu import swiglu_backward_math
+from uniep.kernels.swiglu import swiglu_backward_math, swiglu_forward_math
 
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 # Kernels may only read globals that are constexpr objects.
@@ -285,8 +285,7 @@ def _tile_store(
         a3 = acc3.to(out_ty)
         tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
         tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
-        a1f = a1.to(tl.float32)
-        h = a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+        h = swiglu_forward_math(a1, a3)
         tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
     elif MODE == _SWIGLU_BWD:
         # The gradient of h rounded to the storage dtype first, as the separate GEMM and

@@ -1,9 +1,10 @@
-"""SwiGLU backward as its own elementwise launch, in place over the GEMM's output.
+"""SwiGLU forward and backward as their own elementwise launches.
 
-Shape legend: R rows (the plan's order), H expert hidden dim.
+Shape legend: R rows (the plan's order, or tokens), H hidden dim.
 
-Forward: ``h = silu(a1) * a3``. Given the gradient ``g`` of h (rounded to the storage
-dtype, as the down input-gradient GEMM stores it)::
+Forward: ``h = silu(a1) * a3`` in fp32, rounded to the storage dtype
+(``swiglu_forward_math``, also the gate/up GEMM's epilogue). Given the gradient ``g``
+of h (rounded to the storage dtype, as the down input-gradient GEMM stores it)::
 
     d a1 = g * a3 * sigmoid(a1) * (1 + a1 * (1 - sigmoid(a1)))
     d a3 = g * silu(a1)
@@ -23,6 +24,33 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+_BLOCK = 2048  # elements per program
+
+@triton.jit
+def swiglu_forward_math(a1, a3):
+    """h in fp32 from the pre-activations."""
+    a1f = a1.to(tl.float32)
+    return a1f * tl.sigmoid(a1f) * a3.to(tl.float32)
+
+
+@triton.jit
+def _swiglu_forward_kernel(a1_ptr, a3_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    h = swiglu_forward_math(tl.load(a1_ptr + offs, mask=mask), tl.load(a3_ptr + offs, mask=mask))
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_forward(a1: torch.Tensor, a3: torch.Tensor) -> torch.Tensor:
+    """h = silu(a1) * a3 of two contiguous tensors of one shape (computed in fp32)."""
+    if a1.shape != a3.shape or not (a1.is_contiguous() and a3.is_contiguous()):
+        raise ValueError(f"swiglu_forward: a1, a3 must be contiguous and of one shape; "
+                         f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
+    h = torch.empty_like(a1)
+    if a1.numel():
+        _swiglu_forward_kernel[(triton.cdiv(a1.numel(), _BLOCK),)](a1, a3, h, a1.numel(), BLOCK=_BLOCK, num_warps=8)
+    return h
 
 
 @triton.jit
@@ -56,8 +84,7 @@ def swiglu_backward_(pair: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> 
                          f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
     n = a1.numel()
     if n:
-        block = 2048
-        _swiglu_backward_kernel[(triton.cdiv(n, block),)](pair, a1, a3, n, BLOCK=block, num_warps=8)
+        _swiglu_backward_kernel[(triton.cdiv(n, _BLOCK),)](pair, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
     return pair[0], pair[1]
 
 

@@ -53,6 +53,11 @@ def runs_triton(device_type: str) -> bool:
     return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def on_triton(config: UniEPConfig, device_type: str) -> bool:
+    """Whether ``config``'s backend is Triton on ``device_type`` (``auto``: on CUDA)."""
+    return config.backend == "triton" or (config.backend == "auto" and device_type == "cuda")
+
+
 def build_expert_path(config: UniEPConfig, ep_group: dist.ProcessGroup | None, num_experts: int,
                       score_before_experts: bool, device_type: str) -> ExpertPath:
     """The path ``config`` names over ``ep_group`` (None: one rank) on ``device_type``.
@@ -76,11 +81,8 @@ def build_expert_path(config: UniEPConfig, ep_group: dist.ProcessGroup | None, n
 
         return MegakernelPath(ep_group, schedules, num_experts, score_before_experts)
 
-    backend = config.backend
-    if backend == "auto":
-        backend = "triton" if device_type == "cuda" else "torch"
     transport = row_transport(ep_group)
-    if backend == "torch":
+    if not on_triton(config, device_type):
         from uniep.paths.torch_path import TorchPath
 
         return TorchPath(transport, schedules, num_experts, score_before_experts)
