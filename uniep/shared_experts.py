@@ -1,7 +1,7 @@
 """The shared experts' SwiGLU MLP in few launches, with the bits of a row independent of
 the batch.
 
-Shape legend: T tokens, D model dim, Hs shared hidden dim (all shared experts together).
+Shape legend: T tokens, D model dim, H the shared experts' hidden dim (all of them together).
 
     out = (silu(x w1^T) * (x w3^T)) w2^T
 
