@@ -29,7 +29,6 @@ Exit status: 0 every bar met, 1 a bar missed, 2 bad input (named), 3 a training 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from recipes.parity import LogError, Method, compare_folders, read_run, write_reports
-from recipes.parity_cli import BAD_INPUT, baseline_args, label, noise_args, train
+from recipes.parity_cli import BAD_INPUT, baseline_args, label, noise_args, noise_env, train
 
 MODES = ("nondeterministic", "deterministic")
 EXPECTED = {"titan_again": "not drift", "uniep": "not drift", "wrong": "drift"}
@@ -59,8 +58,7 @@ def run_args(config: dict, overrides: list[str], mode: str, steps: int,
     if mode == "deterministic":
         common.append("--debug.deterministic")
     base = [*common, *baseline_args(config, "torchtitan")]
-    threads = {"OMP_NUM_THREADS": str(2 * int(os.environ.get("OMP_NUM_THREADS", "1")))}
-    return {"titan": (base, {}), **dict.fromkeys(noise_runs(noise), (noise_args(config, base), threads)),
+    return {"titan": (base, {}), **dict.fromkeys(noise_runs(noise), (noise_args(config, base), noise_env())),
             "titan_again": (base, {}), "uniep": (common, {}), "wrong": ([*common, *WRONG_VARIANT], {})}
 
 

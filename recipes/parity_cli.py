@@ -140,11 +140,10 @@ def _run_all(args, overrides: list[str]) -> tuple[list[Path], list[str], Path]:
     out = Path(args.out or f"outputs/parity/{Path(args.config).stem}-vs-{args.baseline}")
     folders = [out / _folder(n) for n in names]
     noise = noise_args(config, base)
-    threads = str(2 * int(os.environ.get("OMP_NUM_THREADS", "1")))
     train(names[0], args.config, folders[0], cand)
     train(names[1], args.config, folders[1], base)
     for name, folder in zip(names[2:], folders[2:]):
-        train(name, args.config, folder, noise, env={"OMP_NUM_THREADS": threads})
+        train(name, args.config, folder, noise, env=noise_env())
     return folders, names, out
 
 
@@ -159,6 +158,11 @@ def noise_args(config: dict, base: list[str]) -> list[str]:
           "they change only the kernels' determinism and the CPU threads (on a GPU that can change nothing: "
           "a band of 0)", flush=True)
     return noise
+
+
+def noise_env() -> dict[str, str]:
+    """A noise run's environment: twice this process's CPU threads."""
+    return {"OMP_NUM_THREADS": str(2 * int(os.environ.get("OMP_NUM_THREADS", "1")))}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,12 @@ def rows_per_block(device: torch.device) -> int:
     return ROWS_PER_BLOCK.get(device.type, DEFAULT_ROWS_PER_BLOCK)
 
 
+def padded_to_blocks(x_TD: torch.Tensor, block: int) -> torch.Tensor:
+    """``x_TD`` with zero rows appended up to a multiple of ``block`` (itself if none are needed)."""
+    pad = -x_TD.shape[0] % block
+    return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
+
+
 def in_fixed_row_blocks(
     fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor,
     then: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -45,10 +51,9 @@ def in_fixed_row_blocks(
     if T == block:  # one full block: the same call without the split, cat and slice ops
         out = fn(x_TD)
     else:
-        pad = -T % block
-        padded = F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
+        padded = padded_to_blocks(x_TD, block)
         out = torch.cat([fn(rows) for rows in padded.split(block)])
-        out = out[:T] if pad else out
+        out = out[:T] if padded.shape[0] != T else out
     return out if then is None else then(out)
 
 

@@ -19,14 +19,9 @@ experts run on Triton, outside torch.compile (where Inductor fuses the module's 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from uniep.batch_invariant import rows_per_block
+from uniep.batch_invariant import padded_to_blocks, rows_per_block
 from uniep.kernels.swiglu import swiglu_backward_, swiglu_forward
-
-
-def _padded(t_TD: torch.Tensor, rows: int) -> torch.Tensor:
-    return t_TD if t_TD.shape[0] == rows else F.pad(t_TD, (0, 0, 0, rows - t_TD.shape[0]))
 
 
 def _blocks(rows: int, block: int):
@@ -37,8 +32,8 @@ class _SharedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w1_HD, w2_DH, w3_HD, block: int):
         T = x_TD.shape[0]
-        rows = -(-T // block) * block
-        x_pad = _padded(x_TD.contiguous(), rows)
+        x_pad = padded_to_blocks(x_TD.contiguous(), block)
+        rows = x_pad.shape[0]
         a = x_pad.new_empty(2, rows, w1_HD.shape[0])  # a1, a3
         out = x_pad.new_empty(rows, w2_DH.shape[0])
         for b in _blocks(rows, block):
@@ -56,7 +51,7 @@ class _SharedSwiGLU(torch.autograd.Function):
         x_pad, a, h, w1_HD, w2_DH, w3_HD = ctx.saved_tensors
         T, block = ctx.tokens, ctx.block
         rows = x_pad.shape[0]
-        grad_pad = _padded(grad_TD.contiguous(), rows)
+        grad_pad = padded_to_blocks(grad_TD.contiguous(), block)
         pair = torch.empty_like(a)  # d h, then d a1 and d a3 in place
         for b in _blocks(rows, block):
             torch.mm(grad_pad[b], w2_DH, out=pair[0, b])
