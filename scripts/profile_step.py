@@ -42,7 +42,7 @@ def group_of(name: str) -> str:
     return next((g for g, pattern in GROUPS if pattern.search(name)), "other")
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
         if stop > end:
@@ -67,7 +67,7 @@ def summarize_trace(trace: dict) -> dict:
     for k in in_step:
         per_kernel[k["name"]] += k["dur"] / 1e3
         per_group[group_of(k["name"])] += k["dur"] / 1e3
-    busy = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in in_step]) / 1e3
+    busy = union_us([(k["ts"], k["ts"] + k["dur"]) for k in in_step]) / 1e3
     end = max([start + step["dur"]] + [k["ts"] + k["dur"] for k in in_step])
     wall = (end - start) / 1e3
     return dict(step=step["name"], wall_ms=wall, busy_ms=busy, other_ms=wall - busy,

@@ -162,3 +162,36 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     timers.unwrap()
     assert UniEPMoE.forward is forward and jit.JITFunction.run is run
     assert timers.calls["layer forward"] == 0
+
+
+def _trace(*events):
+    return {"traceEvents": [dict(ph="X", **e) for e in events]}
+
+
+def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
+    """Three kernels; the device idles 100 us before the third, which was launched 2 us
+    before it started from a Python line inside ``layer.py``; one stream synchronize.
+    Negative control: the same kernels back to back have no gap."""
+    from device_gaps import analyze_trace
+
+    kernels = [dict(cat="kernel", name="gemm", ts=0, dur=50, args=dict(correlation=1)),
+               dict(cat="kernel", name="combine", ts=40, dur=20, args=dict(correlation=2)),  # overlaps
+               dict(cat="kernel", name="wgrad", ts=160, dur=40, args=dict(correlation=3))]
+    host = [dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=158, dur=1, tid=7, args=dict(correlation=3)),
+            dict(cat="python_function", name="uniep/layer.py(10): forward", ts=100, dur=70, tid=7),
+            dict(cat="python_function", name="uniep/moe.py(5): __call__", ts=90, dur=100, tid=7),
+            dict(cat="python_function", name="uniep/other.py(1): elsewhere", ts=100, dur=70, tid=8),
+            dict(cat="cuda_runtime", name="cudaStreamSynchronize", ts=60, dur=30, tid=7, args=dict(correlation=9))]
+    a = analyze_trace(_trace(*kernels, *host))
+    assert (a["span_us"], a["busy_us"], a["idle_us"], a["gap_count"]) == (200, 100, 100, 1)
+    gap = a["gaps"][0]
+    assert (gap["before"], gap["after"], gap["launch_lead_us"]) == ("combine", "wgrad", 2)
+    assert gap["issued_by"] == ["uniep/layer.py(10): forward", "uniep/moe.py(5): __call__"]
+    assert [(b["name"], b["dur_us"]) for b in a["blocking"]] == [("cudaStreamSynchronize", 30)]
+    assert [(b["count"], b["idle_us"]) for b in a["gap_buckets"]] == [(0, 0)] * 4 + [(1, 100), (0, 0)]
+    assert [op["start_us"] for op in a["ops"]] == [0, 40, 160]
+
+    packed = [dict(k) for k in kernels]
+    packed[2]["ts"] = 60
+    a = analyze_trace(_trace(*packed, host[0]))
+    assert (a["idle_us"], a["gap_count"], a["gaps"], a["blocking"]) == (0, 0, [], [])
