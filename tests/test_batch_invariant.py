@@ -1,18 +1,21 @@
 """Router scores and shared experts give each token the same bits whatever the number of
-rows around it (what expert parallelism needs: the batch is split across ranks)."""
+rows around it (what expert parallelism needs: the batch is split across ranks); the
+gate's one-buffer row blocks (``block_linear``) against ``nn.Linear``."""
 
 import pytest
 import torch
 
 from uniep import UniEPMoE
-from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, in_fixed_row_blocks
+from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, block_linear, in_fixed_row_blocks
 
 
+@pytest.mark.parametrize("fused_router", [False, True])
 @pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
-def test_scores_and_shared_experts_do_not_depend_on_the_batch(score_func):
+def test_scores_and_shared_experts_do_not_depend_on_the_batch(score_func, fused_router):
     torch.manual_seed(0)
     layer = UniEPMoE(24, 40, 8, 2, num_shared_experts=1, score_func=score_func)
     layer.init_weights(0.02)
+    layer.router.fused = fused_router  # (the fused choice under the Triton interpreter)
     x = torch.randn(300, 24)  # more than one block, not a multiple of it
     with torch.no_grad():
         for fn in (lambda t: layer.router(t, layer.expert_bias)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t)):
@@ -49,3 +52,27 @@ def test_then_runs_once_on_devices_whose_elementwise_ops_need_no_blocks(monkeypa
     monkeypatch.setattr(bi, "ELEMENTWISE_BATCH_INVARIANT", ("cpu",))
     assert torch.equal(in_fixed_row_blocks(lambda t: t + 1.0, x, then=then), (x + 1.0) * 2.0)
     assert rows_seen == [x.shape[0]]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_linear_is_the_linear_layer_on_row_blocks(bias):
+    """float64 values and gradients of ``nn.Linear`` (over one, two and three blocks, the
+    last padded); each row's output bits the same in any split of the batch."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 8, bias=bias).double()
+    for rows in (5, DEFAULT_ROWS_PER_BLOCK, 2 * DEFAULT_ROWS_PER_BLOCK + 37):
+        x = torch.randn(rows, 24, dtype=torch.float64)
+        grad = torch.randn(rows, 8, dtype=torch.float64)
+        results = []
+        for fn in (block_linear, lambda module, t: module(t)):
+            xi = x.clone().requires_grad_(True)
+            linear.zero_grad(set_to_none=True)
+            out = fn(linear, xi)
+            out.backward(grad)
+            results.append([out, xi.grad] + [p.grad for p in linear.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    x = torch.randn(300, 24, dtype=torch.float64)
+    with torch.no_grad():
+        whole = block_linear(linear, x)
+        assert torch.equal(torch.cat([block_linear(linear, part) for part in x.split(77)]), whole)

@@ -130,8 +130,10 @@ class UniEPMoE(nn.Module):
             _PATH_IDS[key] = register_path(build_expert_path(*key))
         self.experts.path_id = _PATH_IDS[key]
         self._config, self._ep_group, self._installed = config, group, False
-        # the shared experts run on Triton launches where the routed ones do
+        # the shared experts and the router's choice run on Triton launches where the
+        # routed experts do
         self._shared_on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
+        self.router.fused = self._shared_on_triton
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uniep.batch_invariant import in_fixed_row_blocks
+from uniep.batch_invariant import block_linear, in_fixed_row_blocks
 from uniep.init import trunc_normal_
+from uniep.kernels.router_select import router_select, select_experts_reference
 
 
 class TopKRouter(nn.Module):
@@ -22,6 +23,11 @@ class TopKRouter(nn.Module):
     returned weights come from the unbiased scores. With ``num_expert_groups`` set, only
     the ``num_limited_groups`` best groups (by the sum of their two best scores) are
     eligible (node-limited routing).
+
+    ``fused`` (set by the layer where its experts run on Triton; not with node-limited
+    groups, nor under torch.compile, whose Inductor fuses these ops itself): the gate on
+    row blocks into one buffer, then scores, choice and their backward in one launch each
+    (``uniep.kernels.router_select``). Otherwise PyTorch ops in TorchTitan's order.
     """
 
     def __init__(
@@ -62,6 +68,15 @@ class TopKRouter(nn.Module):
         self.num_expert_groups = num_expert_groups
         self.num_limited_groups = num_limited_groups
         self.force_load_balance = force_load_balance
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused = on and self.num_expert_groups is None
 
     def _activate(self, logits_TE: torch.Tensor) -> torch.Tensor:
         # Scores in fp32, as TorchTitan does, to keep routing stable in bf16 training.
@@ -87,25 +102,24 @@ class TopKRouter(nn.Module):
         """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``. A given ``topk_idx_TK``
         replaces the selection (replaying another layer's routing, e.g. in an fp32
         reference); the scores are still computed from ``x``."""
-        # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
-        scores_TE = in_fixed_row_blocks(self.gate, x_TD, then=self._activate)
-
         if topk_idx_TK is None and self.force_load_balance:
             n = x_TD.shape[0]
             topk_idx_TK = (
                 torch.arange(n * self.top_k, device=x_TD.device).view(n, self.top_k) % self.num_experts
             )
-        elif topk_idx_TK is None:
+        # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
+        if self._fused and not torch.compiler.is_compiling():
+            return router_select(block_linear(self.gate, x_TD), self.top_k, sigmoid=self.score_func == "sigmoid",
+                                 route_norm=self.route_norm, route_scale=self.route_scale,
+                                 expert_bias_E=expert_bias_E, topk_idx_TK=topk_idx_TK)
+        scores_TE = in_fixed_row_blocks(self.gate, x_TD, then=self._activate)
+        choice_TE = None
+        if topk_idx_TK is None:
             choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
             if self.num_expert_groups is not None:
                 choice_TE = self._limit_groups(choice_TE)
-            topk_idx_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False).indices
-        top_scores_TK = scores_TE.gather(1, topk_idx_TK)
-        if self.route_norm:
-            top_scores_TK = top_scores_TK / (top_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.route_scale != 1.0:  # (x * 1.0 is x, bit for bit: no op to issue)
-            top_scores_TK = top_scores_TK * self.route_scale
-        return top_scores_TK, topk_idx_TK
+        return select_experts_reference(scores_TE, choice_TE, self.top_k, route_norm=self.route_norm,
+                                        route_scale=self.route_scale, topk_idx_TK=topk_idx_TK)
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.gate.weight, std=init_std)

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from uniep.batch_invariant import padded_to_blocks, rows_per_block
+from uniep.batch_invariant import padded_to_blocks, row_blocks, rows_per_block
 from uniep.kernels.swiglu import swiglu_backward_, swiglu_forward
-
-
-def _blocks(rows: int, block: int):
-    return [slice(start, start + block) for start in range(0, rows, block)]
 
 
 class _SharedSwiGLU(torch.autograd.Function):
@@ -36,11 +32,11 @@ class _SharedSwiGLU(torch.autograd.Function):
         rows = x_pad.shape[0]
         a = x_pad.new_empty(2, rows, w1_HD.shape[0])  # a1, a3
         out = x_pad.new_empty(rows, w2_DH.shape[0])
-        for b in _blocks(rows, block):
+        for b in row_blocks(rows, block):
             torch.mm(x_pad[b], w1_HD.t(), out=a[0, b])
             torch.mm(x_pad[b], w3_HD.t(), out=a[1, b])
         h = swiglu_forward(a[0], a[1])
-        for b in _blocks(rows, block):
+        for b in row_blocks(rows, block):
             torch.mm(h[b], w2_DH.t(), out=out[b])
         ctx.save_for_backward(x_pad, a, h, w1_HD, w2_DH, w3_HD)
         ctx.tokens, ctx.block = T, block
@@ -53,11 +49,11 @@ class _SharedSwiGLU(torch.autograd.Function):
         rows = x_pad.shape[0]
         grad_pad = padded_to_blocks(grad_TD.contiguous(), block)
         pair = torch.empty_like(a)  # d h, then d a1 and d a3 in place
-        for b in _blocks(rows, block):
+        for b in row_blocks(rows, block):
             torch.mm(grad_pad[b], w2_DH, out=pair[0, b])
         d_a1, d_a3 = swiglu_backward_(pair, a[0], a[1])
         grad_x = torch.empty_like(x_pad)
-        for b in _blocks(rows, block):
+        for b in row_blocks(rows, block):
             torch.mm(d_a1[b], w1_HD, out=grad_x[b])
             grad_x[b].addmm_(d_a3[b], w3_HD)
         grad_w2 = grad_TD.t().mm(h[:T]) if ctx.needs_input_grad[2] else None

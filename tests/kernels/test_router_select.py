@@ -1,0 +1,132 @@
+"""The router's fused choice (``uniep.kernels.router_select``, here under the Triton
+interpreter) against the router's PyTorch path: the same experts, scores and gradients
+(float64 inputs), each token's bits independent of the batch, a replayed routing, ties,
+and a deliberately wrong backward that the comparison must catch."""
+
+import pytest
+import torch
+
+from uniep.kernels import router_select as rs
+from uniep.router import TopKRouter
+
+CASES = [  # score_func, route_norm, route_scale, bias, E, K
+    ("softmax", True, 1.0, False, 16, 4),
+    ("softmax", False, 1.0, True, 128, 8),
+    ("sigmoid", False, 2.5, True, 24, 3),
+    ("sigmoid", True, 1.0, True, 8, 8),
+]
+
+
+def _router(score_func, route_norm, route_scale, E, K, dtype=torch.float64):
+    torch.manual_seed(0)
+    router = TopKRouter(32, E, K, score_func=score_func, route_norm=route_norm, route_scale=route_scale).to(dtype)
+    torch.nn.init.normal_(router.gate.weight, std=0.3)
+    return router
+
+
+def _run(router, x, bias, grad_TE, fused):
+    """Scores, experts, x's and the gate's gradients of ``sum(top[t, k] * grad[t, idx[t, k]])``."""
+    router.fused = fused
+    xi = x.clone().requires_grad_(True)
+    router.gate.weight.grad = None
+    top, idx = router(xi, bias)
+    (top * grad_TE.gather(1, idx)).sum().backward()
+    return top, idx, xi.grad, router.gate.weight.grad
+
+
+def mismatches(router, x, bias, grad_TE) -> list[str]:
+    """What differs between the fused choice and the PyTorch path (k in any order)."""
+    top, idx, gx, gw = _run(router, x, bias, grad_TE, fused=True)
+    ref_top, ref_idx, ref_gx, ref_gw = _run(router, x, bias, grad_TE, fused=False)
+    order, ref_order = idx.sort(1), ref_idx.sort(1)
+    wrong = []
+    if not torch.equal(order.values, ref_order.values):
+        wrong.append("experts")
+    checks = {"scores": (top.double().gather(1, order.indices), ref_top.gather(1, ref_order.indices)),
+              "grad x": (gx, ref_gx), "grad gate": (gw, ref_gw)}
+    for name, (a, b) in checks.items():
+        if not torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6):
+            wrong.append(name)
+    return wrong
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_same_choice_scores_and_gradients_as_pytorch(case):
+    score_func, route_norm, route_scale, with_bias, E, K = case
+    router = _router(score_func, route_norm, route_scale, E, K)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 32, dtype=torch.float64, generator=gen)
+    bias = torch.randn(E, dtype=torch.float64, generator=gen) * 0.1 if with_bias else None
+    grad = torch.randn(37, E, dtype=torch.float64, generator=gen)
+    assert mismatches(router, x, bias, grad) == []
+
+
+def test_a_backward_without_the_route_norm_is_caught(monkeypatch):
+    """Negative control: the backward kernel told the scores were not normalized."""
+    real = rs._router_select_backward_kernel
+
+    class WithoutNorm:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: real[grid](*args, **{**kw, "ROUTE_NORM": False})
+
+    monkeypatch.setattr(rs, "_router_select_backward_kernel", WithoutNorm())
+    router = _router("softmax", True, 1.0, 16, 4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 32, dtype=torch.float64, generator=gen)
+    grad = torch.randn(37, 16, dtype=torch.float64, generator=gen)
+    assert mismatches(router, x, None, grad) == ["grad x", "grad gate"]
+
+
+def test_each_token_is_independent_of_the_batch():
+    """Scores, experts and logits gradients of each token bit for bit the same whether
+    it comes in a batch of 37, 5 or 1 tokens."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(37, 24, generator=gen)
+    bias = torch.randn(24, generator=gen) * 0.1
+    grad = torch.randn(37, 3, generator=gen)
+
+    def run(rows):
+        li = logits[rows].clone().requires_grad_(True)
+        top, idx = rs.router_select(li, 3, sigmoid=False, route_norm=True, route_scale=1.0, expert_bias_E=bias)
+        top.backward(grad[rows])
+        return top, idx, li.grad
+
+    whole = run(slice(0, 37))
+    for size in (5, 1):
+        parts = [run(slice(i, min(i + size, 37))) for i in range(0, 37, size)]
+        for a, b in zip(whole, (torch.cat(p) for p in zip(*parts))):
+            assert torch.equal(a, b), size
+
+
+def test_a_replayed_routing_gives_the_choice_s_own_scores():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(20, 16, generator=gen)
+    top, idx = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0)
+    again, same = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0, topk_idx_TK=idx)
+    assert torch.equal(same, idx) and torch.equal(again, top)
+    flipped, _ = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0,
+                                  topk_idx_TK=idx.flip(1))
+    torch.testing.assert_close(flipped, top.flip(1), rtol=1e-6, atol=0)  # (the norm's sum in another order)
+
+
+def test_descending_with_ties_to_the_lower_expert_and_nan_rows_kept_in_range():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0], [float("nan")] * 5])
+    _, idx = rs.router_select(logits, 3, sigmoid=True, route_norm=False, route_scale=1.0)
+    assert idx[0].tolist() == [1, 2, 4]
+    assert bool(((idx[1] >= 0) & (idx[1] < 5)).all())
+
+
+def test_no_tokens_and_bad_input():
+    top, idx = rs.router_select(torch.empty(0, 8), 2, sigmoid=False, route_norm=True, route_scale=1.0)
+    assert top.shape == idx.shape == (0, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        rs.router_select(torch.zeros(3, 4), 5, sigmoid=False, route_norm=False, route_scale=1.0)
+
+
+def test_the_router_fuses_only_without_node_limited_groups():
+    router = TopKRouter(32, 16, 2, num_expert_groups=4, num_limited_groups=2)
+    router.fused = True
+    assert not router.fused
+    router = TopKRouter(32, 16, 2)
+    router.fused = True
+    assert router.fused
