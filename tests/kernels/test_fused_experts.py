@@ -141,20 +141,32 @@ def test_layer_with_triton_backend_matches_torchtitan(score_before):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_and_inf_propagate_like_torchtitan(backend, bad):
+    """One bad element of token 2 makes exactly that token's output and input gradient
+    non-finite, as in TorchTitan, and the weight gradients of the experts it reached:
+    TorchTitan's own on the PyTorch path; on Triton, whose fused router breaks the tie
+    of a NaN row's scores its own way (the lowest experts), those of the PyTorch path
+    replaying the same routing."""
     titan, layer = titan_and_uniep(8, backend, num_experts=4, num_shared_experts=0, score_before=False)
     x = torch.randn(1, 6, 32)
-    x[0, 2, 5] = bad  # one bad element in token 2
+    x[0, 2, 5] = bad
     grad = torch.randn(1, 6, 32)
-    masks = []
-    for module in (titan, layer):
+
+    def masks(module, **routing):
         xi = x.clone().requires_grad_(True)
         module.zero_grad(set_to_none=True)
-        out = module(xi)
+        out = module(xi, **routing)
         out.backward(grad)
-        masks.append([~torch.isfinite(t) for t in (out, xi.grad, module.experts.w1.grad, module.experts.w2.grad)])
-    for theirs, ours in zip(*masks):
-        assert torch.equal(theirs, ours)
-    assert masks[1][0][0, 2].all() and not masks[1][0][0, [0, 1, 3, 4, 5]].any()  # only token 2 is bad
+        return [~torch.isfinite(t) for t in (out, xi.grad, module.experts.w1.grad, module.experts.w2.grad)]
+
+    ours, titans = masks(layer), masks(titan)
+    reference = titans
+    if backend == "triton":
+        _, topk_idx = layer.router(x.view(6, 32), layer.expert_bias)
+        assert topk_idx[2].tolist() == [0, 1]
+        reference = masks(UniEPMoE.from_torchtitan(titan, UniEPConfig(backend="torch")), topk_idx=topk_idx)
+    assert all(torch.equal(a, b) for a, b in zip(ours[:2], titans[:2]))
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference))
+    assert ours[0][0, 2].all() and not ours[0][0, [0, 1, 3, 4, 5]].any()  # only token 2 is bad
 
 
 def test_w2_gradient_first_or_last_gives_the_same_bits_and_holds_less(monkeypatch):

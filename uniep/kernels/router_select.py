@@ -5,7 +5,8 @@ Shape legend: T tokens, E experts, K experts per token.
 From the gate's logits (T, E), per token, in fp32:
 
     scores = softmax(logits) or sigmoid(logits)
-    idx    = the K largest of scores + expert_bias (descending; a tie goes to the lower expert)
+    idx    = the K largest of scores + expert_bias (descending; NaN counts as the largest,
+             as in torch.topk; a tie goes to the lower expert)
     top    = scores[idx], divided by their sum (+ 1e-20) if route_norm, times route_scale
 
 and in the backward the gradient of the logits from that of ``top`` (``idx`` carries
@@ -69,6 +70,7 @@ def _router_select_kernel(logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, stride, 
     choice = s
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(choice != choice, float("inf"), choice)  # NaN first, as torch.topk puts it
     choice = tl.where(col_ok[None, :], choice, float("-inf"))
     idx = tl.zeros((ROWS, KP), dtype=tl.int32)
     top = tl.zeros((ROWS, KP), dtype=tl.float32)
@@ -76,7 +78,6 @@ def _router_select_kernel(logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, stride, 
         if SELECT:
             best = tl.max(choice, axis=1)
             pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
-            pick = tl.minimum(pick, E - 1)  # a NaN row matches no maximum: keep the index in range
             choice = tl.where(cols[None, :] == pick[:, None], float("-inf"), choice)
         else:
             pick = tl.load(idx_ptr + rows * K + k).to(tl.int32)
