@@ -1,12 +1,17 @@
 """Router scores and shared experts give each token the same bits whatever the number of
 rows around it (what expert parallelism needs: the batch is split across ranks); the
-gate's one-buffer row blocks (``block_linear``) against ``nn.Linear``."""
+gate's one-buffer row blocks (``blocked_linear``) against ``nn.Linear``."""
 
 import pytest
 import torch
 
 from uniep import UniEPMoE
-from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, block_linear, in_fixed_row_blocks
+from uniep.batch_invariant import (
+    DEFAULT_ROWS_PER_BLOCK,
+    blocked_linear,
+    blocked_linear_backward,
+    in_fixed_row_blocks,
+)
 
 
 @pytest.mark.parametrize("fused_router", [False, True])
@@ -55,24 +60,25 @@ def test_then_runs_once_on_devices_whose_elementwise_ops_need_no_blocks(monkeypa
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_linear_is_the_linear_layer_on_row_blocks(bias):
-    """float64 values and gradients of ``nn.Linear`` (over one, two and three blocks, the
-    last padded); each row's output bits the same in any split of the batch."""
+def test_blocked_linear_is_the_linear_layer_on_row_blocks(bias):
+    """float64 values and gradients of ``nn.Linear`` under autograd (over one, two and
+    three blocks, the last padded); each row's output bits the same in any split of the
+    batch."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(24, 8, bias=bias).double()
-    for rows in (5, DEFAULT_ROWS_PER_BLOCK, 2 * DEFAULT_ROWS_PER_BLOCK + 37):
-        x = torch.randn(rows, 24, dtype=torch.float64)
+    weight, bias_N = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    block = DEFAULT_ROWS_PER_BLOCK
+    for rows in (5, block, 2 * block + 37):
+        x = torch.randn(rows, 24, dtype=torch.float64, requires_grad=True)
         grad = torch.randn(rows, 8, dtype=torch.float64)
-        results = []
-        for fn in (block_linear, lambda module, t: module(t)):
-            xi = x.clone().requires_grad_(True)
-            linear.zero_grad(set_to_none=True)
-            out = fn(linear, xi)
-            out.backward(grad)
-            results.append([out, xi.grad] + [p.grad for p in linear.parameters()])
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        linear.zero_grad(set_to_none=True)
+        out = linear(x)
+        out.backward(grad)
+        expected = [out, x.grad, linear.weight.grad, linear.bias.grad if bias else None]
+        got = [blocked_linear(x.detach(), weight, bias_N, block), *blocked_linear_backward(grad, x.detach(), weight, bias, block)]
+        for a, b in zip(got, expected):
+            assert a is b is None or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     x = torch.randn(300, 24, dtype=torch.float64)
     with torch.no_grad():
-        whole = block_linear(linear, x)
-        assert torch.equal(torch.cat([block_linear(linear, part) for part in x.split(77)]), whole)
+        whole = blocked_linear(x, weight, bias_N, block)
+        assert torch.equal(torch.cat([blocked_linear(part, weight, bias_N, block) for part in x.split(77)]), whole)

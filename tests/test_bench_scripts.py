@@ -145,9 +145,11 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     assert parts["expert autograd forward"][1] <= parts["routed-expert call"][1] <= parts["layer forward"][1]
     assert parts["expert autograd backward"][1] <= parts["layer backward (.backward())"][1]
     assert parts["_grouped_gemm_kernel"][0] == 4.0 and parts["_grouped_wgrad_kernel"][0] == 2.0
-    # the tiny shape's shared expert: its SwiGLU forward and backward are launches too
+    # the tiny shape's shared expert: its SwiGLU forward and backward are launches too;
+    # so are the router's choice and its backward
     assert parts["_swiglu_forward_kernel"][0] == 1.0 and parts["_swiglu_backward_kernel"][0] == 2.0
-    assert "Triton launches, 12.0 per call" in out
+    assert parts["_router_select_kernel"][0] == parts["_router_select_backward_kernel"][0] == 1.0
+    assert "Triton launches, 14.0 per call" in out
 
     import host_time
     import triton.runtime.jit as jit

@@ -42,45 +42,33 @@ def row_blocks(rows: int, block: int) -> list[slice]:
     return [slice(start, start + block) for start in range(0, rows, block)]
 
 
-class _BlockLinear(torch.autograd.Function):
-    """``x @ weight^T + bias`` with each block's GEMMs written into one output (no cat),
-    and the weight gradient as one GEMM over all rows (a sum over the batch, which no
-    split keeps bitwise anyway) instead of one per block and their sum."""
-
-    @staticmethod
-    def forward(ctx, x_TD, weight_ND, bias_N, block: int):
-        T = x_TD.shape[0]
-        x_pad = padded_to_blocks(x_TD.contiguous(), block)
-        out = x_pad.new_empty(x_pad.shape[0], weight_ND.shape[0])
-        for b in row_blocks(x_pad.shape[0], block):
-            if bias_N is None:
-                torch.mm(x_pad[b], weight_ND.t(), out=out[b])
-            else:
-                torch.addmm(bias_N, x_pad[b], weight_ND.t(), out=out[b])
-        ctx.save_for_backward(x_pad, weight_ND)
-        ctx.tokens, ctx.block, ctx.has_bias = T, block, bias_N is not None
-        return out[:T]
-
-    @staticmethod
-    def backward(ctx, grad_TN):
-        x_pad, weight_ND = ctx.saved_tensors
-        T, block = ctx.tokens, ctx.block
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_pad = padded_to_blocks(grad_TN.contiguous(), block)
-            grad_x = torch.empty_like(x_pad)
-            for b in row_blocks(x_pad.shape[0], block):
-                torch.mm(grad_pad[b], weight_ND, out=grad_x[b])
-            grad_x = grad_x[:T]
-        grad_w = grad_TN.t().mm(x_pad[:T]) if ctx.needs_input_grad[1] else None
-        grad_b = grad_TN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+def blocked_linear(x_TD: torch.Tensor, weight_ND: torch.Tensor, bias_N: torch.Tensor | None,
+                   block: int) -> torch.Tensor:
+    """``x @ weight^T + bias`` computed on fixed blocks of ``block`` rows, each written
+    into one output (no cat)."""
+    T = x_TD.shape[0]
+    x_pad = padded_to_blocks(x_TD.contiguous(), block)
+    out = x_pad.new_empty(x_pad.shape[0], weight_ND.shape[0])
+    for b in row_blocks(x_pad.shape[0], block):
+        if bias_N is None:
+            torch.mm(x_pad[b], weight_ND.t(), out=out[b])
+        else:
+            torch.addmm(bias_N, x_pad[b], weight_ND.t(), out=out[b])
+    return out[:T]
 
 
-def block_linear(linear: torch.nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
-    """``linear(x_TD)`` computed on fixed row blocks, in one output buffer (see
-    ``_BlockLinear``)."""
-    return _BlockLinear.apply(x_TD, linear.weight, linear.bias, rows_per_block(x_TD.device))
+def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND: torch.Tensor, has_bias: bool,
+                            block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(grad x, grad weight, grad bias or None) of ``blocked_linear``: the input gradient
+    on the same row blocks; the weight gradient one GEMM over all rows (a sum over the
+    batch, which no split keeps bitwise anyway) instead of one per block and their sum."""
+    T = x_TD.shape[0]
+    grad_pad = padded_to_blocks(grad_TN.contiguous(), block)
+    grad_x = x_TD.new_empty(grad_pad.shape[0], x_TD.shape[1])
+    for b in row_blocks(grad_pad.shape[0], block):
+        torch.mm(grad_pad[b], weight_ND, out=grad_x[b])
+    grad_w = grad_TN.t().mm(x_TD)
+    return grad_x[:T], grad_w, grad_TN.sum(0) if has_bias else None
 
 
 def in_fixed_row_blocks(

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uniep.batch_invariant import block_linear, in_fixed_row_blocks
+from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.init import trunc_normal_
-from uniep.kernels.router_select import router_select, select_experts_reference
+from uniep.kernels.router_select import select_experts_reference
+from uniep.router_op import router_choice
 
 
 class TopKRouter(nn.Module):
@@ -25,9 +26,9 @@ class TopKRouter(nn.Module):
     eligible (node-limited routing).
 
     ``fused`` (set by the layer where its experts run on Triton; not with node-limited
-    groups, nor under torch.compile, whose Inductor fuses these ops itself): the gate on
-    row blocks into one buffer, then scores, choice and their backward in one launch each
-    (``uniep.kernels.router_select``). Otherwise PyTorch ops in TorchTitan's order.
+    groups): the gate on row blocks into one buffer, then scores, choice and their
+    backward in one launch each, eagerly and compiled alike (``uniep.router_op``).
+    Otherwise PyTorch ops in TorchTitan's order.
     """
 
     def __init__(
@@ -108,8 +109,8 @@ class TopKRouter(nn.Module):
                 torch.arange(n * self.top_k, device=x_TD.device).view(n, self.top_k) % self.num_experts
             )
         # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
-        if self._fused and not torch.compiler.is_compiling():
-            return router_select(block_linear(self.gate, x_TD), self.top_k, sigmoid=self.score_func == "sigmoid",
+        if self._fused:
+            return router_choice(x_TD, self.gate, self.top_k, sigmoid=self.score_func == "sigmoid",
                                  route_norm=self.route_norm, route_scale=self.route_scale,
                                  expert_bias_E=expert_bias_E, topk_idx_TK=topk_idx_TK)
         scores_TE = in_fixed_row_blocks(self.gate, x_TD, then=self._activate)

@@ -86,10 +86,9 @@ def test_each_token_is_independent_of_the_batch():
     grad = torch.randn(37, 3, generator=gen)
 
     def run(rows):
-        li = logits[rows].clone().requires_grad_(True)
-        top, idx = rs.router_select(li, 3, sigmoid=False, route_norm=True, route_scale=1.0, expert_bias_E=bias)
-        top.backward(grad[rows])
-        return top, idx, li.grad
+        settings = dict(sigmoid=False, route_norm=True, route_scale=1.0)
+        top, idx = rs.router_select_forward(logits[rows], 3, expert_bias_E=bias, **settings)
+        return top, idx, rs.router_select_backward(logits[rows], idx, grad[rows], **settings)
 
     whole = run(slice(0, 37))
     for size in (5, 1):
@@ -101,10 +100,10 @@ def test_each_token_is_independent_of_the_batch():
 def test_a_replayed_routing_gives_the_choice_s_own_scores():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(20, 16, generator=gen)
-    top, idx = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0)
-    again, same = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0, topk_idx_TK=idx)
+    top, idx = rs.router_select_forward(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0)
+    again, same = rs.router_select_forward(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0, topk_idx_TK=idx)
     assert torch.equal(same, idx) and torch.equal(again, top)
-    flipped, _ = rs.router_select(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0,
+    flipped, _ = rs.router_select_forward(logits, 4, sigmoid=True, route_norm=True, route_scale=1.0,
                                   topk_idx_TK=idx.flip(1))
     torch.testing.assert_close(flipped, top.flip(1), rtol=1e-6, atol=0)  # (the norm's sum in another order)
 
@@ -112,15 +111,15 @@ def test_a_replayed_routing_gives_the_choice_s_own_scores():
 def test_descending_ties_to_the_lower_expert_and_nan_first():
     nan = float("nan")
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0], [nan] * 5, [0.0, 3.0, nan, 1.0, 2.0]])
-    _, idx = rs.router_select(logits, 3, sigmoid=True, route_norm=False, route_scale=1.0)
+    _, idx = rs.router_select_forward(logits, 3, sigmoid=True, route_norm=False, route_scale=1.0)
     assert idx.tolist() == [[1, 2, 4], [0, 1, 2], [2, 1, 4]]
 
 
 def test_no_tokens_and_bad_input():
-    top, idx = rs.router_select(torch.empty(0, 8), 2, sigmoid=False, route_norm=True, route_scale=1.0)
+    top, idx = rs.router_select_forward(torch.empty(0, 8), 2, sigmoid=False, route_norm=True, route_scale=1.0)
     assert top.shape == idx.shape == (0, 2)
     with pytest.raises(ValueError, match="top_k"):
-        rs.router_select(torch.zeros(3, 4), 5, sigmoid=False, route_norm=False, route_scale=1.0)
+        rs.router_select_forward(torch.zeros(3, 4), 5, sigmoid=False, route_norm=False, route_scale=1.0)
 
 
 def test_the_router_fuses_only_without_node_limited_groups():
@@ -130,3 +129,28 @@ def test_the_router_fuses_only_without_node_limited_groups():
     router = TopKRouter(32, 16, 2)
     router.fused = True
     assert router.fused
+
+
+def test_compiled_router_keeps_the_eager_bits():
+    """Under torch.compile (fullgraph) the fused router runs as the custom ops
+    ``uniep::router_choice`` / ``_bwd``: the same launches, so the eager bits, for a
+    chosen and for a replayed routing."""
+    router = _router("sigmoid", True, 2.5, 16, 4, dtype=torch.float32)
+    router.fused = True
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(21, 32, generator=gen)
+    bias = torch.randn(16, generator=gen) * 0.1
+    grad = torch.randn(21, 4, generator=gen)
+    compiled = torch.compile(router, fullgraph=True, backend="aot_eager")
+
+    def run(fn, given=None):
+        xi = x.clone().requires_grad_(True)
+        router.gate.weight.grad = None
+        top, idx = fn(xi, bias, given)
+        top.backward(grad)
+        return top, idx, xi.grad, router.gate.weight.grad
+
+    eager = run(router)
+    for given in (None, eager[1].flip(1)):
+        again = run(router, given)
+        assert all(torch.equal(a, b) for a, b in zip(run(compiled, given), again))

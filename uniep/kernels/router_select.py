@@ -20,7 +20,8 @@ PyTorch this is nine launches forward (cast, softmax, top-k, gather, sum, add, d
 ...) and a dozen backward; the top-k alone took 0.1 ms at 16384 x 128 on an H200.
 
 ``select_experts_reference`` is the PyTorch computation of the choice from scores (the
-router's own path, which also handles node-limited groups).
+router's own path, which also handles node-limited groups). The router differentiates
+these launches through ``uniep.router_op``.
 """
 
 from __future__ import annotations
@@ -132,47 +133,40 @@ def _meta(logits_TE: torch.Tensor, top_k: int) -> dict:
                 num_warps=4)
 
 
-class _RouterSelect(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE, bias_E, given_TK, top_k: int, sigmoid: bool, route_norm: bool, route_scale: float):
-        T, E = logits_TE.shape
-        idx_TK = given_TK if given_TK is not None else logits_TE.new_empty(T, top_k, dtype=torch.int64)
-        top_TK = logits_TE.new_empty(T, top_k, dtype=torch.float32)
-        if T:
-            _router_select_kernel[(triton.cdiv(T, _ROWS),)](
-                logits_TE, bias_E, idx_TK, top_TK, T, E, logits_TE.stride(0), float(route_scale),
-                SIGMOID=sigmoid, HAS_BIAS=bias_E is not None, SELECT=given_TK is None, ROUTE_NORM=route_norm,
-                **_meta(logits_TE, top_k))
-        ctx.save_for_backward(logits_TE, idx_TK)
-        ctx.sigmoid, ctx.route_norm, ctx.route_scale = sigmoid, route_norm, route_scale
-        ctx.mark_non_differentiable(idx_TK)
-        return top_TK, idx_TK
-
-    @staticmethod
-    def backward(ctx, grad_top_TK, _grad_idx):
-        logits_TE, idx_TK = ctx.saved_tensors
-        T, E = logits_TE.shape
-        grad_logits = torch.empty(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
-        if T:
-            _router_select_backward_kernel[(triton.cdiv(T, _ROWS),)](
-                logits_TE, idx_TK, grad_top_TK.contiguous(), grad_logits, T, E, logits_TE.stride(0),
-                float(ctx.route_scale), SIGMOID=ctx.sigmoid, ROUTE_NORM=ctx.route_norm,
-                **_meta(logits_TE, idx_TK.shape[1]))
-        return grad_logits, None, None, None, None, None, None
-
-
-def router_select(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, route_norm: bool, route_scale: float,
-                  expert_bias_E: torch.Tensor | None = None,
-                  topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, route_norm: bool,
+                          route_scale: float, expert_bias_E: torch.Tensor | None = None,
+                          topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_scores_TK fp32, topk_idx_TK int64)`` from the gate's logits (see the module
     docstring); ``topk_idx_TK``, if given, replaces the choice."""
     if logits_TE.dim() != 2 or not 1 <= top_k <= logits_TE.shape[1]:
         raise ValueError(f"router_select: logits must be (tokens, experts) with 1 <= top_k <= experts; got "
                          f"{tuple(logits_TE.shape)} and top_k = {top_k}")
-    if topk_idx_TK is not None:
-        topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
+    logits_TE = logits_TE.contiguous()
+    T, E = logits_TE.shape
+    select = topk_idx_TK is None
+    idx_TK = (logits_TE.new_empty(T, top_k, dtype=torch.int64) if select  # a copy of given ids: never an alias
+              else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
+    top_TK = logits_TE.new_empty(T, top_k, dtype=torch.float32)
     bias = None if expert_bias_E is None else expert_bias_E.contiguous()
-    return _RouterSelect.apply(logits_TE.contiguous(), bias, topk_idx_TK, top_k, sigmoid, route_norm, route_scale)
+    if T:
+        _router_select_kernel[(triton.cdiv(T, _ROWS),)](
+            logits_TE, bias, idx_TK, top_TK, T, E, logits_TE.stride(0), float(route_scale),
+            SIGMOID=sigmoid, HAS_BIAS=bias is not None, SELECT=select, ROUTE_NORM=route_norm,
+            **_meta(logits_TE, top_k))
+    return top_TK, idx_TK
+
+
+def router_select_backward(logits_TE: torch.Tensor, topk_idx_TK: torch.Tensor, grad_top_TK: torch.Tensor, *,
+                           sigmoid: bool, route_norm: bool, route_scale: float) -> torch.Tensor:
+    """(T, E) gradient of the logits, in their dtype, from that of the top scores."""
+    logits_TE = logits_TE.contiguous()
+    T, E = logits_TE.shape
+    grad_logits = torch.empty(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
+    if T:
+        _router_select_backward_kernel[(triton.cdiv(T, _ROWS),)](
+            logits_TE, topk_idx_TK.contiguous(), grad_top_TK.contiguous(), grad_logits, T, E, logits_TE.stride(0),
+            float(route_scale), SIGMOID=sigmoid, ROUTE_NORM=route_norm, **_meta(logits_TE, topk_idx_TK.shape[1]))
+    return grad_logits
 
 
 def select_experts_reference(scores_TE: torch.Tensor, choice_TE: torch.Tensor, top_k: int, *, route_norm: bool,
