@@ -154,3 +154,21 @@ def test_compiled_router_keeps_the_eager_bits():
     for given in (None, eager[1].flip(1)):
         again = run(router, given)
         assert all(torch.equal(a, b) for a, b in zip(run(compiled, given), again))
+
+
+def test_a_gate_with_bias_gets_its_gradient():
+    """The gate's bias (TorchTitan's ``gate_bias``) in the fused path: values and the
+    bias gradient of the PyTorch path."""
+    torch.manual_seed(0)
+    router = TopKRouter(32, 16, 4, score_func="softmax", route_norm=True, gate_bias=True).double()
+    torch.nn.init.normal_(router.gate.bias, std=0.3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 32, dtype=torch.float64, generator=gen)
+    grad = torch.randn(19, 16, dtype=torch.float64, generator=gen)
+    bias_grads = []
+    for fused in (True, False):
+        router.gate.bias.grad = None
+        _run(router, x, None, grad, fused)
+        bias_grads.append(router.gate.bias.grad.clone())
+    assert mismatches(router, x, None, grad) == []
+    torch.testing.assert_close(bias_grads[0], bias_grads[1], rtol=1e-5, atol=1e-6)
