@@ -1,4 +1,4 @@
-"""The GEMM kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
+"""The GEMM and router kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
 its bundled ptxas, no GPU. The interpreter runs the kernels' Python; only the compiler
 sees what it rejects (a variable a constexpr branch leaves undefined, a descriptor of
 the wrong rank, a shared-memory overflow), and without this test such an error shows
@@ -23,6 +23,8 @@ from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK  # noqa: E402
 # specialization the Triton paths launch with the default tiles (bf16, descriptor loads).
 GEMM = "grouped_gemm"
 WGRAD = "wgrad"
+ROUTER = "router_select"
+ROUTER_BWD = "router_select_backward"
 CASES = {
     "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
     "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
@@ -32,6 +34,10 @@ CASES = {
     "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
     "w2 gradient": (WGRAD, dict(HALVES=1)),
     "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
+    "router choice (Qwen3: E 128, K 8)": (ROUTER, dict()),
+    "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
+        ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
+    "router choice backward": (ROUTER_BWD, dict()),
     # the controls: a kernel the compiler rejects (tl.arange of 96), tiles too large
     # for shared memory (found in the compiled kernel's metadata)
     "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
@@ -45,7 +51,7 @@ def compile_sm90(name: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from uniep.kernels import grouped_gemm, wgrad
+    from uniep.kernels import grouped_gemm, router_select, wgrad
 
     kind, changes = CASES[name]
     changes = dict(changes)
@@ -61,6 +67,14 @@ def compile_sm90(name: str) -> dict:
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
                          B_TRANSPOSED=True, NUM_PROGRAMS=132, LOG2_E=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
                          DOT_PRECISION="tf32")
+    elif kind in (ROUTER, ROUTER_BWD):
+        kernel = (router_select._router_select_kernel if kind == ROUTER
+                  else router_select._router_select_backward_kernel)
+        types = dict(logits_ptr="*bf16", bias_ptr="*fp32", idx_ptr="*i64", top_ptr="*fp32", grad_top_ptr="*fp32",
+                     grad_logits_ptr="*bf16", T="i32", E="i32", stride="i32", route_scale="fp32")
+        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=16, SIGMOID=False, ROUTE_NORM=True)
+        if kind == ROUTER:
+            constants |= dict(HAS_BIAS=False, SELECT=True)
     else:
         kernel = wgrad._grouped_wgrad_kernel
         types = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "c2_ptr"), "*bf16")
@@ -110,7 +124,8 @@ def test_kernel_compiles_for_sm90(compiled, name):
     assert "error" not in result, result.get("error")
     assert result["shared"] <= H200_SMEM_PER_BLOCK
     # descriptors are built on the device, in scratch memory the launch allocates
-    assert (result["scratch"] > 0) == (CASES[name][1].get("A_DESC", True))
+    kind, changes = CASES[name]
+    assert (result["scratch"] > 0) == (kind in (GEMM, WGRAD) and changes.get("A_DESC", True))
 
 
 def test_the_controls_fail_here(compiled):
