@@ -42,19 +42,25 @@ def row_blocks(rows: int, block: int) -> list[slice]:
     return [slice(start, start + block) for start in range(0, rows, block)]
 
 
+def blocked_mm(a_pad: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a_pad @ b (+ bias)`` one block of ``block`` rows at a time, each written into
+    its rows of ``out`` (``a_pad``'s rows a multiple of ``block``)."""
+    for rows in row_blocks(a_pad.shape[0], block):
+        if bias is None:
+            torch.mm(a_pad[rows], b, out=out[rows])
+        else:
+            torch.addmm(bias, a_pad[rows], b, out=out[rows])
+    return out
+
+
 def blocked_linear(x_TD: torch.Tensor, weight_ND: torch.Tensor, bias_N: torch.Tensor | None,
                    block: int) -> torch.Tensor:
     """``x @ weight^T + bias`` computed on fixed blocks of ``block`` rows, each written
     into one output (no cat)."""
-    T = x_TD.shape[0]
     x_pad = padded_to_blocks(x_TD.contiguous(), block)
     out = x_pad.new_empty(x_pad.shape[0], weight_ND.shape[0])
-    for b in row_blocks(x_pad.shape[0], block):
-        if bias_N is None:
-            torch.mm(x_pad[b], weight_ND.t(), out=out[b])
-        else:
-            torch.addmm(bias_N, x_pad[b], weight_ND.t(), out=out[b])
-    return out[:T]
+    return blocked_mm(x_pad, weight_ND.t(), out, block, bias_N)[:x_TD.shape[0]]
 
 
 def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND: torch.Tensor, has_bias: bool,
@@ -62,13 +68,10 @@ def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND
     """(grad x, grad weight, grad bias or None) of ``blocked_linear``: the input gradient
     on the same row blocks; the weight gradient one GEMM over all rows (a sum over the
     batch, which no split keeps bitwise anyway) instead of one per block and their sum."""
-    T = x_TD.shape[0]
     grad_pad = padded_to_blocks(grad_TN.contiguous(), block)
-    grad_x = x_TD.new_empty(grad_pad.shape[0], x_TD.shape[1])
-    for b in row_blocks(grad_pad.shape[0], block):
-        torch.mm(grad_pad[b], weight_ND, out=grad_x[b])
+    grad_x = blocked_mm(grad_pad, weight_ND, x_TD.new_empty(grad_pad.shape[0], x_TD.shape[1]), block)
     grad_w = grad_TN.t().mm(x_TD)
-    return grad_x[:T], grad_w, grad_TN.sum(0) if has_bias else None
+    return grad_x[:x_TD.shape[0]], grad_w, grad_TN.sum(0) if has_bias else None
 
 
 def in_fixed_row_blocks(

@@ -132,8 +132,8 @@ class UniEPMoE(nn.Module):
         self._config, self._ep_group, self._installed = config, group, False
         # the shared experts and the router's choice run on Triton launches where the
         # routed experts do
-        self._shared_on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
-        self.router.fused = self._shared_on_triton
+        self._on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
+        self.router.fused = self._on_triton
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not
@@ -279,7 +279,7 @@ class UniEPMoE(nn.Module):
         """(T, D) shared-experts output, each row's bits independent of the batch: fused
         launches (``uniep.shared_experts``) where the experts run on Triton, else (and
         under torch.compile, whose Inductor fuses them) the module on fixed row blocks."""
-        if self._shared_on_triton and not torch.compiler.is_compiling():
+        if self._on_triton and not torch.compiler.is_compiling():
             return shared_swiglu(x_TD, self.shared_experts)
         return in_fixed_row_blocks(self.shared_experts, x_TD)
 

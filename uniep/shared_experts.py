@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from uniep.batch_invariant import padded_to_blocks, row_blocks, rows_per_block
+from uniep.batch_invariant import blocked_mm, padded_to_blocks, row_blocks, rows_per_block
 from uniep.kernels.swiglu import swiglu_backward_, swiglu_forward
 
 
@@ -32,12 +32,10 @@ class _SharedSwiGLU(torch.autograd.Function):
         rows = x_pad.shape[0]
         a = x_pad.new_empty(2, rows, w1_HD.shape[0])  # a1, a3
         out = x_pad.new_empty(rows, w2_DH.shape[0])
-        for b in row_blocks(rows, block):
-            torch.mm(x_pad[b], w1_HD.t(), out=a[0, b])
-            torch.mm(x_pad[b], w3_HD.t(), out=a[1, b])
+        blocked_mm(x_pad, w1_HD.t(), a[0], block)
+        blocked_mm(x_pad, w3_HD.t(), a[1], block)
         h = swiglu_forward(a[0], a[1])
-        for b in row_blocks(rows, block):
-            torch.mm(h[b], w2_DH.t(), out=out[b])
+        blocked_mm(h, w2_DH.t(), out, block)
         ctx.save_for_backward(x_pad, a, h, w1_HD, w2_DH, w3_HD)
         ctx.tokens, ctx.block = T, block
         return out[:T]
@@ -49,8 +47,7 @@ class _SharedSwiGLU(torch.autograd.Function):
         rows = x_pad.shape[0]
         grad_pad = padded_to_blocks(grad_TD.contiguous(), block)
         pair = torch.empty_like(a)  # d h, then d a1 and d a3 in place
-        for b in row_blocks(rows, block):
-            torch.mm(grad_pad[b], w2_DH, out=pair[0, b])
+        blocked_mm(grad_pad, w2_DH, pair[0], block)
         d_a1, d_a3 = swiglu_backward_(pair, a[0], a[1])
         grad_x = torch.empty_like(x_pad)
         for b in row_blocks(rows, block):

@@ -56,7 +56,7 @@ def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     block = ROWS_PER_BLOCK["cuda"]
     x = torch.randn(2 * block + 37, 256, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
-    assert layer._shared_on_triton  # the shared experts' fused launches (uniep.shared_experts)
+    assert layer._on_triton  # the shared experts' fused launches (uniep.shared_experts)
 
     def shared_input_grad(t, g):
         t = t.clone().requires_grad_(True)
