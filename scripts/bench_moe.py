@@ -1,6 +1,6 @@
 """UniEP layer vs TorchTitan 0.2.2's MoE, side by side in one process (one GPU).
 
-    python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--json out.json] [--sweep [V,...]]
+    python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--rounds 3] [--json out.json] [--sweep [V,...]]
                                 [--ep 2,4,8 --transport megakernel]
 
 For each shape: same weights and inputs for both layers, each eager and under
@@ -12,7 +12,10 @@ against TorchTitan eager and TorchTitan under ``torch.compile`` (its best; the r
 that counts). Forward+backward is timed two ways: one call at a time, synchronized
 after each (the host's work before the call's first large kernel is counted), and
 calls issued back to back, as the layers of a training step are (the host issues the
-next call while the device runs this one; ``back_to_back_cuda_ms``). The dense bf16
+next call while the device runs this one; ``back_to_back_cuda_ms``). Both are timed in
+``--rounds`` rounds that take the four main layers (TorchTitan and UniEP, eager and
+compiled) in turn, and each row reports the median of its rounds (a GPU's speed drifts
+during a run by as much as the differences measured). The dense bf16
 matmul rate measured in the same run is printed for scale. ``--sweep`` also times
 GEMM tile settings of UniEP (all, or those named), then its defaults again. ``--ep`` adds the megakernel with that many virtual
 ranks on the one GPU (the whole W-rank protocol: pushes to peer buffers, flags, remote
@@ -25,8 +28,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -47,6 +51,7 @@ SWEEP = {
     "gemm_bn128": dict(gemm_block_n=128),
     "wgrad_stages4": dict(wgrad_num_stages=4),
     "gemm_stages3": dict(gemm_num_stages=3),
+    "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
 }
 
 
@@ -61,6 +66,9 @@ class Row:
     tflops_fwd_bwd: float
     peak_gib: float
     fwd_bwd_back_to_back_ms: float
+    fwd_bwd_rounds_ms: list[float] = field(default_factory=list)
+    """Each round's synchronized fwd+bwd time (``--rounds``; ``fwd_bwd_ms`` is their median)."""
+    back_to_back_rounds_ms: list[float] = field(default_factory=list)
     vs_eager: float = 1.0
     """TorchTitan eager's fwd+bwd time over this row's (synchronized calls)."""
     vs_compiled: float = 1.0
@@ -128,20 +136,42 @@ def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
         with torch.no_grad():
             layer(x)
 
+    fwd_ms = median_cuda_ms(fwd, warmup, iters)
+    fwd_bwd_ms, back_to_back_ms = fwd_bwd_times(layer, x, grad, warmup, iters)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    xi = x.detach().requires_grad_(True)
+    layer(xi).backward(grad)
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak, back_to_back_ms,
+               [fwd_bwd_ms], [back_to_back_ms])
+
+
+def fwd_bwd_times(layer, x, grad, warmup, iters) -> tuple[float, float]:
+    """(synchronized, back-to-back) forward+backward milliseconds of ``layer``."""
     def fwd_bwd():
         xi = x.detach().requires_grad_(True)
         layer(xi).backward(grad)
         layer.zero_grad(set_to_none=True)
 
-    fwd_ms = median_cuda_ms(fwd, warmup, iters)
-    fwd_bwd_ms = median_cuda_ms(fwd_bwd, warmup, iters)
-    back_to_back_ms = back_to_back_cuda_ms(fwd_bwd, warmup, iters)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak, back_to_back_ms)
+    return median_cuda_ms(fwd_bwd, warmup, iters), back_to_back_cuda_ms(fwd_bwd, warmup, iters)
+
+
+def more_rounds(measured: list[tuple[Row, object]], x, grad, rounds: int, warmup, iters, flops) -> None:
+    """Time the layers ``rounds - 1`` more times, one after the other in each round (so a
+    drift of the GPU's speed during the run reaches all of them alike), and keep each
+    row's median over the rounds."""
+    for _ in range(rounds - 1):
+        for row, layer in measured:
+            sync, b2b = fwd_bwd_times(layer, x, grad, warmup, iters)
+            row.fwd_bwd_rounds_ms.append(sync)
+            row.back_to_back_rounds_ms.append(b2b)
+    for row, _ in measured:
+        row.fwd_bwd_ms = statistics.median(row.fwd_bwd_rounds_ms)
+        row.fwd_bwd_back_to_back_ms = statistics.median(row.back_to_back_rounds_ms)
+        row.tflops_fwd_bwd = flops / row.fwd_bwd_ms / 1e9
 
 
 def profile_kernels(name, layer, x, grad) -> None:
@@ -214,7 +244,10 @@ def run_shape(shape, args) -> list[Row]:
     rows.append(measure("uniep", uniep, x, grad, ref, flops, args.warmup, args.iters))
     # UniEP as a compiled training step runs it: the routed experts behind their custom
     # op, Inductor fusing the router's and the shared experts' ops around it
-    rows.append(measure("uniep[compiled]", torch.compile(uniep), x, grad, ref, flops, args.warmup, args.iters))
+    uniep_compiled = torch.compile(uniep)
+    rows.append(measure("uniep[compiled]", uniep_compiled, x, grad, ref, flops, args.warmup, args.iters))
+    more_rounds(list(zip(rows, (titan, titan_compiled, uniep, uniep_compiled))), x, grad, args.rounds, args.warmup,
+                args.iters, flops)
     if args.ep:
         rows += megakernel_rows(uniep, x, grad, ref, flops, args)
     if args.sweep:
@@ -251,6 +284,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3,dsv3_16b,dsv3_671b,qwen3_4k,qwen3_32k")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds of the four main layers, interleaved; the median is reported")
     parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
                         help=f"also time these tile settings (default: all of {', '.join(SWEEP)}), then the defaults again")
     parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")
@@ -259,15 +294,17 @@ def main() -> None:
                         help="transport of the --ep rows (one process: the megakernel on virtual ranks)")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        sys.exit(f"--rounds = {args.rounds}: allowed values: 1 or more")
     args.ep = [int(w) for w in args.ep.split(",") if w]
     args.sweep = [v for v in args.sweep.split(",") if v]
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA GPU")
     shapes = args.shapes.split(",")
-    for field, given, allowed in (("--shapes", shapes, SHAPES), ("--sweep", args.sweep, SWEEP)):
+    for option, given, allowed in (("--shapes", shapes, SHAPES), ("--sweep", args.sweep, SWEEP)):
         unknown = [g for g in given if g not in allowed]
         if unknown:
-            sys.exit(f"{field}: unknown {unknown}; allowed: {', '.join(allowed)}")
+            sys.exit(f"{option}: unknown {unknown}; allowed: {', '.join(allowed)}")
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     dense = dense_tflops()
@@ -281,6 +318,8 @@ def main() -> None:
                   f"x{row.vs_eager:.2f} eager x{row.vs_compiled:.2f} compiled; back to back "
                   f"{row.fwd_bwd_back_to_back_ms:7.2f} ms x{row.vs_eager_back_to_back:.2f} eager "
                   f"x{row.vs_compiled_back_to_back:.2f} compiled  "
+                  f"rounds {'/'.join(f'{t:.2f}' for t in row.fwd_bwd_rounds_ms)} | "
+                  f"{'/'.join(f'{t:.2f}' for t in row.back_to_back_rounds_ms)} ms  "
                   f"err out {row.rel_err_out:.2e} dx {row.rel_err_grad_x:.2e}", flush=True)
 
     header = ("| shape | layer | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | vs TorchTitan eager | "

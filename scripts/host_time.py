@@ -63,9 +63,6 @@ class HostTimers:
 
 def instrument(timers: HostTimers, layer) -> list[tuple[str, int]]:
     """Wrap the layer's parts; returns the report's (label, indent) rows in order."""
-    import triton.runtime.interpreter as interpreter
-    import triton.runtime.jit as jit
-
     import uniep.experts
     from uniep.kernels.fused_experts import _FusedExperts
     from uniep.moe import UniEPMoE
@@ -77,8 +74,9 @@ def instrument(timers: HostTimers, layer) -> list[tuple[str, int]]:
     timers.wrap(type(layer.expert_path), "__call__", f"expert path ({type(layer.expert_path).__name__})")
     timers.wrap(_FusedExperts, "forward", "expert autograd forward")
     timers.wrap(_FusedExperts, "backward", "expert autograd backward")
-    for launcher in (jit.JITFunction, interpreter.InterpretedFunction):
-        timers.wrap(launcher, "run", lambda kernel: f"launch {kernel.fn.__name__}")
+    from uniep.kernels.launch import CachedLaunch
+
+    timers.wrap(CachedLaunch, "_launch", lambda launch: f"launch {launch.fn.fn.__name__}")
     return [("layer forward", 1), ("router", 2), ("routed-expert call", 2),
             (f"expert path ({type(layer.expert_path).__name__})", 3), ("expert autograd forward", 4),
             ("layer backward (.backward())", 1), ("expert autograd backward", 2)]

@@ -67,12 +67,13 @@ class UniEPConfig:
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). Changes bits."""
-    wgrad_block_n: int = 256
-    """Weight-gradient tile columns (16..256, power of 2). Changes bits. (H200: 256
-    took fwd+bwd from 13.3 to 11.6 ms at the Qwen3-30B-A3B shape.)"""
+    wgrad_block_n: int = 128
+    """Weight-gradient tile columns (16..256, power of 2). 128 (with 8 warps and 3
+    stages) leaves room for two programs per SM (``kernels.wgrad.programs_per_sm``).
+    Changes bits."""
     wgrad_block_k: int = 64
     """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
-    wgrad_up_block_n: int = 256
+    wgrad_up_block_n: int = 128
     """Tile columns of the w1/w3 gradient launch (its w3 tiles follow its w1 tiles, one
     accumulator each) (16..256, power of 2). Changes bits."""
     wgrad_num_warps: int = 8
@@ -93,8 +94,8 @@ class UniEPConfig:
     an error naming the rank, stage and flag (a peer that never signals; about 10 s
     on an H200). At least 1."""
     num_programs: int = 0
-    """Persistent programs per kernel launch; 0: one per SM (two for small tiles).
-    Does not change bits."""
+    """Persistent programs per kernel launch; 0: one per SM (two for small tiles, and
+    for weight-gradient tiles where two fit an SM). Does not change bits."""
     descriptor_loads: bool = True
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead

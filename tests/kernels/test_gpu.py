@@ -111,6 +111,35 @@ def test_bitwise_repeatable_and_schedule_invariant():
         assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
 
 
+def test_direct_launch_matches_the_jit(monkeypatch):
+    """After a layer call has compiled its kernels, the next calls launch them directly
+    (``uniep.kernels.launch``: no JIT dispatch at all), with the bits of launches through
+    Triton's JIT; another batch size (other integer specializations) is handled too."""
+    import triton.runtime.jit as jit
+
+    from uniep.kernels import launch
+
+    _, uniep = build(num_experts=32, top_k=8)
+    for tokens in (777, 1024):
+        x = torch.randn(2, tokens, 256, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn_like(x)
+        fwd_bwd(uniep, x, grad)
+        fwd_bwd(uniep, x, grad)  # every specialization of this size now cached
+        dispatches = []
+        real_run = jit.JITFunction.run
+        monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **k: dispatches.append(self) or real_run(self, *a, **k))
+        direct = fwd_bwd(uniep, x, grad)
+        monkeypatch.setattr(jit.JITFunction, "run", real_run)
+        assert dispatches == [], [f.fn.__name__ for f in dispatches]
+        launchers = [c for c in launch._LAUNCHERS.values() if c.direct]
+        assert len(launchers) >= 6
+        for c in launchers:
+            monkeypatch.setattr(c, "direct", False)
+        through_jit = fwd_bwd(uniep, x, grad)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(direct, through_jit)), tokens
+
+
 def test_skewed_routing_on_gpu():
     titan, uniep = build()
     with torch.no_grad():

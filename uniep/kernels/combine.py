@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from uniep.kernels.launch import cdiv, launcher
+
 
 @triton.jit
 def _topk_combine_kernel(
@@ -89,7 +91,7 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
     out = rows_PD.new_empty(T, D)
     if T == 0:
         return out
-    _topk_combine_kernel[(T, triton.cdiv(D, _block_d(D)))](
+    launcher(_topk_combine_kernel)[(T, cdiv(D, _block_d(D)))](
         rows_PD, rows_PD if weights_TK is None else weights_TK, out, D,
         K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D),
     )
@@ -111,7 +113,7 @@ def topk_combine_bwd(
     grad_w = None if weights_TK is None else torch.empty_like(weights_TK)
     if T == 0:
         return grad_rows, grad_w
-    _topk_combine_bwd_kernel[(T,)](
+    launcher(_topk_combine_bwd_kernel)[(T,)](
         grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
         grad_rows, grad_rows if row_of_pair is None else row_of_pair, grad_rows if grad_w is None else grad_w, D,
         K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, HAS_ROW_MAP=row_of_pair is not None,

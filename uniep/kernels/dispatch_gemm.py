@@ -48,6 +48,7 @@ from uniep.kernels.grouped_gemm import (
     dot_precision,
     pair_buffer,
 )
+from uniep.kernels.launch import cdiv, launcher
 
 
 @triton.jit
@@ -194,13 +195,13 @@ def dispatch_gemm(
     if mode == SWIGLU_FWD:
         aux = (x_TD.new_empty(R, N), x_TD.new_empty(R, N))
     c, c2 = pair_buffer(x_TD, R, N) if mode == SWIGLU_BWD else (x_TD.new_empty(R, N),) * 2
-    n_push = triton.cdiv(sends.capacity, sends_per_task)  # upper bound, for the grid
-    upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
+    n_push = cdiv(sends.capacity, sends_per_task)  # upper bound, for the grid
+    upper_tiles = (cdiv(R, tiles.block_m) + w_E.shape[0]) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles)
     D = x_TD.shape[1]
     K = sends.rows.shape[1]
     push_meta = mode == SWIGLU_FWD
-    _dispatch_gemm_kernel[(programs,)](
+    launcher(_dispatch_gemm_kernel)[(programs,)](
         counter, error,
         x_TD, sends.token_base,
         sends.src, sends.token, sends.dest, sends.rows, sends.pairs,

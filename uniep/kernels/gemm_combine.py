@@ -40,6 +40,7 @@ from uniep.kernels.grouped_gemm import (
     _weight_view,
     dot_precision,
 )
+from uniep.kernels.launch import cdiv, launcher
 
 
 @triton.jit
@@ -168,9 +169,9 @@ def gemm_combine(
     out = a.new_empty(0 if relay else T, N)
     K = sends.rows.shape[1]
     combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
-    upper_tiles = (triton.cdiv(R, tiles.block_m) + w_E.shape[0]) * triton.cdiv(N, tiles.block_n)
+    upper_tiles = (cdiv(R, tiles.block_m) + w_E.shape[0]) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles + combine_src.numel())
-    _gemm_combine_kernel[(programs,)](
+    launcher(_gemm_combine_kernel)[(programs,)](
         counter, error,
         a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,
         peers.deltas["ret"], peers.deltas["ret_flag"],

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from uniep.kernels.launch import cdiv, launcher, sm_count
 from uniep.kernels.swiglu import swiglu_backward_math, swiglu_forward_math
 
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
@@ -371,14 +372,16 @@ def _grouped_gemm_kernel(
                     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
 
 
-def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int) -> int:
+def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int | None = None) -> int:
+    """Persistent programs of a launch of at most ``upper_tiles`` tiles: ``tiles.num_programs``
+    if set, else ``per_sm`` per SM (default: 1, or 2 for tiles under 128x128)."""
     if tiles.num_programs is not None:
         return max(1, min(tiles.num_programs, upper_tiles))
     if device.type != "cuda":
         return max(1, min(4, upper_tiles))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 1 if tiles.block_m * tiles.block_n >= 128 * 128 else 2
-    return max(1, min(sms * per_sm, upper_tiles))
+    if per_sm is None:
+        per_sm = 1 if tiles.block_m * tiles.block_n >= 128 * 128 else 2
+    return max(1, min(sm_count(device) * per_sm, upper_tiles))
 
 
 def tma_readable(t: torch.Tensor | None) -> bool:
@@ -477,14 +480,14 @@ def grouped_gemm(
     if mode == SWIGLU_FWD:
         aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
     aux1, aux3 = aux if aux is not None else (c, c)
-    upper_tiles = (triton.cdiv(num_rows, tiles.block_m) + num_experts) * triton.cdiv(N, tiles.block_n)
+    upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
     if a_desc or b_desc:
         use_descriptor_scratch(a.device)
-    _grouped_gemm_kernel[(programs,)](
+    launcher(_grouped_gemm_kernel)[(programs,)](
         a, a if a2 is None else a2,
         dummy if a_row is None else a_row,
         dummy if a_scale is None else a_scale,

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from uniep.kernels.launch import cdiv, launcher
+
 _ROWS = 16  # tokens per program
 
 
@@ -149,7 +151,7 @@ def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool,
     top_TK = logits_TE.new_empty(T, top_k, dtype=torch.float32)
     bias = None if expert_bias_E is None else expert_bias_E.contiguous()
     if T:
-        _router_select_kernel[(triton.cdiv(T, _ROWS),)](
+        launcher(_router_select_kernel)[(cdiv(T, _ROWS),)](
             logits_TE, bias, idx_TK, top_TK, T, E, logits_TE.stride(0), float(route_scale),
             SIGMOID=sigmoid, HAS_BIAS=bias is not None, SELECT=select, ROUTE_NORM=route_norm,
             **_meta(logits_TE, top_k))
@@ -163,7 +165,7 @@ def router_select_backward(logits_TE: torch.Tensor, topk_idx_TK: torch.Tensor, g
     T, E = logits_TE.shape
     grad_logits = torch.empty(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
     if T:
-        _router_select_backward_kernel[(triton.cdiv(T, _ROWS),)](
+        launcher(_router_select_backward_kernel)[(cdiv(T, _ROWS),)](
             logits_TE, topk_idx_TK.contiguous(), grad_top_TK.contiguous(), grad_logits, T, E, logits_TE.stride(0),
             float(route_scale), SIGMOID=sigmoid, ROUTE_NORM=route_norm, **_meta(logits_TE, topk_idx_TK.shape[1]))
     return grad_logits

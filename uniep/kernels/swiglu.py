@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from uniep.kernels.launch import cdiv, launcher
+
 _BLOCK = 2048  # elements per program
 
 @triton.jit
@@ -49,7 +51,7 @@ def swiglu_forward(a1: torch.Tensor, a3: torch.Tensor) -> torch.Tensor:
                          f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
     h = torch.empty_like(a1)
     if a1.numel():
-        _swiglu_forward_kernel[(triton.cdiv(a1.numel(), _BLOCK),)](a1, a3, h, a1.numel(), BLOCK=_BLOCK, num_warps=8)
+        launcher(_swiglu_forward_kernel)[(cdiv(a1.numel(), _BLOCK),)](a1, a3, h, a1.numel(), BLOCK=_BLOCK, num_warps=8)
     return h
 
 
@@ -84,7 +86,7 @@ def swiglu_backward_(pair: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> 
                          f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
     n = a1.numel()
     if n:
-        _swiglu_backward_kernel[(triton.cdiv(n, _BLOCK),)](pair, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
+        launcher(_swiglu_backward_kernel)[(cdiv(n, _BLOCK),)](pair, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
     return pair[0], pair[1]
 
 

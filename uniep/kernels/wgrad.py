@@ -13,7 +13,8 @@ Each output tile of ``C[e]`` is computed by one program that walks the expert's 
 plan order, accumulating in fp32: no atomics and no split over rows, so the result is
 bitwise the same for any number of programs. An expert with no rows gets zeros.
 
-Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N) tiles.
+Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N)
+tiles, two per SM where two fit (``programs_per_sm``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import GemmTiles, _num_programs, dot_precision, tma_readable, use_descriptor_scratch
+from uniep.kernels.grouped_gemm import (
+    GemmTiles,
+    _num_programs,
+    dot_precision,
+    shared_memory_bytes,
+    smem_limit,
+    tma_readable,
+    use_descriptor_scratch,
+)
+from uniep.kernels.launch import cdiv, launcher
 
 
 @triton.jit
@@ -184,18 +194,28 @@ def grouped_wgrad(
     return c, c2
 
 
+def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device) -> int:
+    """Two programs per SM where two fit (the fp32 accumulator in at most 64 registers per
+    thread, both programs' pipeline stages in shared memory), else one. A tile sums one
+    expert's rows only (at 4096 tokens and 128 experts, 256 of them), so its epilogue is
+    a large share of its time, and the other program's loads and dots fill it."""
+    accumulator_regs = tiles.block_m * tiles.block_n // (32 * tiles.num_warps)
+    smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes)
+    return 2 if accumulator_regs <= 64 and 2 * smem <= smem_limit(device) else 1
+
+
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
     """C = A^T B per expert (halves = 1), or C^T, C2^T from B's two stacked halves."""
     M, N = a.shape[1], b.shape[1]
     tiles = tiles.fitted(a.dtype, a.device)  # A tiles are (block_k, block_m), B (block_k, block_n)
-    upper_tiles = halves * num_experts * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
-    programs = _num_programs(tiles, a.device, upper_tiles)
+    upper_tiles = halves * num_experts * cdiv(M, tiles.block_m) * cdiv(N, tiles.block_n)
+    programs = _num_programs(tiles, a.device, upper_tiles, programs_per_sm(tiles, a.element_size(), a.device))
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
     if a_desc or b_desc:
         use_descriptor_scratch(a.device)
-    _grouped_wgrad_kernel[(programs,)](
+    launcher(_grouped_wgrad_kernel)[(programs,)](
         a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
         b, dummy if b_row is None else b_row, dummy if b_scale is None else b_scale,
         c, c2, expert_offsets,

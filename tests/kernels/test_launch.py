@@ -1,0 +1,127 @@
+"""uniep.kernels.launch: the direct launch of a compiled kernel, on a stand-in for
+Triton 3.6's JIT (its binder, per-device caches and compiled kernels' launchers), so the
+branch that runs only on a GPU is exercised on the CPU; the GPU test
+``test_direct_launch_matches_the_jit`` runs it on the real Triton."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from uniep.kernels import launch
+
+
+class FakeCompiled:
+    def __init__(self, name):
+        self.name, self.function, self.packed_metadata = name, f"function:{name}", f"meta:{name}"
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeJIT:
+    """Triton 3.6's JITFunction as CachedLaunch sees it: ``[grid](...)`` compiles (one kernel
+    per specialization) and launches; ``device_caches[device][4]`` is the binder, made at
+    the first launch. The specialization of an integer is whether it is divisible by 16."""
+
+    def __init__(self):
+        self.device_caches = {}
+        self.jit_launches = []
+        self.kernels = {}
+
+    def _bind(self, x, n, BLOCK):
+        spec = [("*fp32", "D"), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, {}
+
+    def binder(self, *args, **kwargs):
+        return self._bind(*args, **kwargs)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.device_caches.setdefault(0, (None, None, None, None, self.binder))
+            _, spec, _ = self._bind(*args, **kwargs)
+            kernel = self.kernels.setdefault(str(spec), FakeCompiled(str(spec)))
+            self.jit_launches.append((grid, args, kwargs))
+            return kernel
+        return run
+
+
+@pytest.fixture
+def on_fake_device(monkeypatch):
+    monkeypatch.setattr(launch, "_device_and_stream", lambda: (0, 1234))
+
+
+def test_repeat_launches_skip_the_jit_and_pass_the_bound_arguments(on_fake_device):
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    cached[(5,)]("x0", 32, BLOCK=64)  # creates the binder
+    cached[(5,)]("x1", 48, BLOCK=64)  # same specialization: compiled kernel kept
+    assert len(fn.jit_launches) == 2
+    cached[(7, 2)]("x2", 64, BLOCK=64)
+    assert len(fn.jit_launches) == 2
+    (kernel,) = fn.kernels.values()
+    assert kernel.runs == [(7, 2, 1, 1234, kernel.function, kernel.packed_metadata, None, None, None, "x2", 64, 64)]
+
+
+def test_another_specialization_gets_its_own_kernel(on_fake_device):
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    for n in (32, 32, 33, 33, 64, 17):
+        cached[(1,)]("x", n, BLOCK=16)
+    aligned, unaligned = fn.kernels[str(fn._bind("x", 32, 16)[1])], fn.kernels[str(fn._bind("x", 33, 16)[1])]
+    # 32 (binder made), 32 (kept), 33 (new kernel): through the JIT; 33, 64, 17 direct
+    assert len(fn.jit_launches) == 3
+    assert [r[-2] for r in aligned.runs] == [64] and [r[-2] for r in unaligned.runs] == [33, 17]
+    cached[(1,)]("x", 32, BLOCK=32)  # a constexpr is part of the specialization too
+    assert len(fn.jit_launches) == 4
+
+
+def test_a_key_without_the_specialization_would_launch_the_wrong_kernel(on_fake_device, monkeypatch):
+    """Negative control: keyed by device alone, the 33-row launch reuses the kernel
+    compiled for rows divisible by 16, the error the key exists to prevent."""
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    real_bind = fn.binder
+    monkeypatch.setattr(fn, "binder", lambda *a, **k: (real_bind(*a, **k)[0], [], {}))
+    fn.device_caches[0] = (None, None, None, None, fn.binder)
+    for n in (32, 33):
+        cached[(1,)]("x", n, BLOCK=16)
+    aligned = fn.kernels[str(fn._bind("x", 32, 16)[1])]
+    assert [r[-2] for r in aligned.runs] == [33]
+
+
+def test_launch_hooks_and_unsupported_tritons_take_the_jit_path(on_fake_device):
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    for _ in range(2):
+        cached[(1,)]("x", 32, BLOCK=16)
+    hook = lambda metadata: None  # noqa: E731
+    launch.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch._launch_hooks_set()
+        cached[(1,)]("x", 32, BLOCK=16)
+    finally:
+        launch.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not launch._launch_hooks_set()
+    assert len(fn.jit_launches) == 3
+    jit_only = launch.CachedLaunch(FakeJIT(), direct=False)
+    for _ in range(3):
+        jit_only[(1,)]("x", 32, BLOCK=16)
+    assert len(jit_only.fn.jit_launches) == 3
+
+
+def test_direct_launch_only_for_compiled_kernels_of_checked_tritons():
+    assert launch._direct_launch_supported(FakeJIT(), "3.6.0")
+    assert not launch._direct_launch_supported(FakeJIT(), "3.9.0")
+    assert not launch._direct_launch_supported(object(), "3.6.0")  # e.g. the interpreter's kernels
+
+
+def test_one_launcher_per_kernel_object():
+    fn = FakeJIT()
+    assert launch.launcher(fn) is launch.launcher(fn)
+    assert launch.launcher(fn) is not launch.launcher(FakeJIT())
+
+
+def test_cdiv():
+    assert [launch.cdiv(a, 16) for a in (0, 1, 16, 17, 4096)] == [triton.cdiv(a, 16) for a in (0, 1, 16, 17, 4096)]

@@ -1,0 +1,110 @@
+"""How the launchers start their Triton kernels, kept cheap on the host: a layer call
+issues a dozen launches or more, and at a few thousand tokens the host's time to issue
+them, not the device's, decides the layer's speed (``scripts/host_time.py``).
+
+``launcher(kernel)`` (a ``CachedLaunch``) is launched as the ``@triton.jit`` kernel is,
+``launcher(kernel)[grid](*args, **constexprs)``. Its first launch of each specialization goes
+through Triton's JIT (compile or load, then launch) and keeps the compiled kernel; later
+launches with the same specialization bind the arguments with the JIT's own binder
+(which computes the specialization: dtypes, 16-byte alignment, integers equal to 1 or
+divisible by 16, constexpr values) and call the compiled kernel's launcher directly,
+without the rest of the JIT's dispatch (its cache-key string, launch metadata, global
+checks): about 16 us less per launch on an H200 host (benchmarks/RESULTS.md).
+
+The direct launch uses Triton internals whose layout is checked only for the versions
+in ``DIRECT_LAUNCH_TRITON``; on others, under the interpreter (``TRITON_INTERPRET=1``)
+and while a launch hook is set (profilers), every launch goes through the JIT.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.driver import driver
+
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+"""Triton versions (prefixes) whose JIT internals the direct launch was checked against."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b`` (plain integers: in some Triton versions
+    ``triton.cdiv`` called from the host goes through constexpr unwrapping)."""
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of the CUDA ``device`` (asked once per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_LAUNCHERS: dict[object, "CachedLaunch"] = {}
+
+
+def _direct_launch_supported(fn, version: str = triton.__version__) -> bool:
+    """Whether ``fn`` is a compiled (not interpreted) JIT kernel of a checked Triton."""
+    return hasattr(fn, "device_caches") and version.startswith(DIRECT_LAUNCH_TRITON)
+
+
+def launcher(fn) -> "CachedLaunch":
+    """The ``CachedLaunch`` of the kernel ``fn`` (one per kernel object, made at its first
+    launch; looked up per launch, so a kernel swapped in a module is the one launched)."""
+    cached = _LAUNCHERS.get(fn)
+    if cached is None:
+        cached = _LAUNCHERS[fn] = CachedLaunch(fn)
+    return cached
+
+
+class CachedLaunch:
+    """A Triton kernel launched as ``self[grid](*args, **kwargs)``, the JIT's dispatch
+    done once per specialization (see the module docstring)."""
+
+    def __init__(self, fn, *, direct: bool | None = None):
+        self.fn = fn
+        self.direct = _direct_launch_supported(fn) if direct is None else direct
+        self._compiled: dict[tuple, object] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple[int, ...], *args, **kwargs):
+        if not self.direct or _launch_hooks_set():
+            return self.fn[grid](*args, **kwargs)
+        device, stream = _device_and_stream()
+        caches = self.fn.device_caches.get(device)  # (kernels, keys, target, backend, binder), made at the first launch
+        if caches is None:
+            return self.fn[grid](*args, **kwargs)
+        bound, specialization, options = caches[4](*args, **kwargs)
+        try:
+            key = (device, tuple(specialization), tuple(options.items()))
+            kernel = self._compiled.get(key)
+        except TypeError:  # an unhashable specialization value: leave it to the JIT
+            return self.fn[grid](*args, **kwargs)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            return kernel
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], grid_y, grid_z, stream, kernel.function,
+                   kernel.packed_metadata, None, None, None, *bound.values())
+        return kernel
+
+
+def _device_and_stream() -> tuple[int, int]:
+    """The current device and its current stream, as the JIT launches on them."""
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set (Triton keeps them in hook chains, empty by default)."""
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
