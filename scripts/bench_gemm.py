@@ -73,6 +73,9 @@ VARIANTS = {
     "wgrad_bn128_p264": dict(wgrad_block_n=128, wgrad_up_block_n=128, num_programs=264),
     "wgrad_bn128_w4_p264": dict(wgrad_block_n=128, wgrad_up_block_n=128, wgrad_num_warps=4, num_programs=264),
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),
+    # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
+    "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),
+    "wgrad_bm64_w4_bk32_s4": dict(wgrad_block_m=64, wgrad_num_warps=4, wgrad_block_k=32, wgrad_num_stages=4),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)

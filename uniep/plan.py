@@ -83,13 +83,13 @@ def counts_in_sorted(sorted_values: torch.Tensor, n: int) -> torch.Tensor:
     No host sync, unlike ``torch.bincount`` on CUDA (it reads the maximum back to size
     its output): a layer's forward must not stall the host behind the device."""
     # (made once, outside torch.compile; traced, torch.compile makes its own)
-    make = torch.arange if torch.compiler.is_compiling() else _range
+    make = torch.arange if torch.compiler.is_compiling() else cached_range
     bounds = torch.searchsorted(sorted_values, make(n + 1, device=sorted_values.device, dtype=sorted_values.dtype))
     return bounds[1:] - bounds[:-1]
 
 
 @functools.lru_cache(maxsize=64)
-def _range(n: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def cached_range(n: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """0..n-1, made once per (n, device, dtype): each layer call needs it, and every op
     costs host time. Read only."""
     return torch.arange(n, device=device, dtype=dtype)

@@ -37,6 +37,7 @@ from uniep.backward_state import hold_for_backward, take_for_backward
 from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
+from uniep.plan import cached_range
 
 
 def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before: bool):
@@ -70,7 +71,7 @@ class _FusedExperts(torch.autograd.Function):
         # the scores when applied after the experts. The backward owns grad y from here
         # and releases it after its last use.
         plan_row = torch.empty_like(send_order_P)
-        plan_row[send_order_P] = torch.arange(send_order_P.numel(), device=send_order_P.device)
+        plan_row[send_order_P] = cached_range(send_order_P.numel(), device=send_order_P.device, dtype=torch.int64)
         state.grad_y, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
                                                      None if score_before else scores_TK, K, row_of_pair=plan_row)
         del y_PD
