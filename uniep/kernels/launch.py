@@ -1,6 +1,6 @@
 """How the launchers start their Triton kernels, kept cheap on the host: a layer call
 issues a dozen launches or more, and at a few thousand tokens the host's time to issue
-them, not the device's, decides the layer's speed (``scripts/host_time.py``).
+them is as long as the device's time to run them (``scripts/host_time.py``).
 
 ``launcher(kernel)`` (a ``CachedLaunch``) is launched as the ``@triton.jit`` kernel is,
 ``launcher(kernel)[grid](*args, **constexprs)``. Its first launch of each specialization goes
@@ -8,8 +8,8 @@ through Triton's JIT (compile or load, then launch) and keeps the compiled kerne
 launches with the same specialization bind the arguments with the JIT's own binder
 (which computes the specialization: dtypes, 16-byte alignment, integers equal to 1 or
 divisible by 16, constexpr values) and call the compiled kernel's launcher directly,
-without the rest of the JIT's dispatch (its cache-key string, launch metadata, global
-checks): about 16 us less per launch on an H200 host (benchmarks/RESULTS.md).
+without the rest of the JIT's dispatch (its cache-key string, launch metadata, empty
+launch hooks, global checks; benchmarks/RESULTS.md has the measured costs).
 
 The direct launch uses Triton internals whose layout is checked only for the versions
 in ``DIRECT_LAUNCH_TRITON``; on others, under the interpreter (``TRITON_INTERPRET=1``)
