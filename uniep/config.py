@@ -49,16 +49,16 @@ class UniEPConfig:
 
     gemm_block_m: int = 128
     """Rows per tile of the forward/input-gradient grouped GEMMs (16..256, power of 2).
-    Changes the bits of bf16 results."""
+    May change the bits of bf16 results."""
     gemm_block_n: int = 256
     """Output columns per tile of the plain GEMMs: the down projection and the down
-    and up input gradients (16..256, power of 2). Changes bits."""
+    and up input gradients (16..256, power of 2). May change bits."""
     gemm_up_block_n: int = 128
     """Output columns per tile of the GEMMs with a SwiGLU epilogue: gate/up (two
     accumulators, w1 and w3), and in the megakernel the down input gradient (16..256,
-    power of 2). Changes bits."""
+    power of 2). May change bits."""
     gemm_block_k: int = 64
-    """Reduction step (16..256, power of 2). Changes bits."""
+    """Reduction step (16..256, power of 2). May change bits."""
     gemm_num_warps: int = 8
     """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
     gemm_num_stages: int = 4
@@ -66,16 +66,16 @@ class UniEPConfig:
     device's shared memory. Does not change bits."""
 
     wgrad_block_m: int = 128
-    """Weight-gradient tile rows (16..256, power of 2). Changes bits."""
+    """Weight-gradient tile rows (16..256, power of 2). May change bits."""
     wgrad_block_n: int = 128
     """Weight-gradient tile columns (16..256, power of 2). 128 (with 8 warps and 3
     stages) leaves room for two programs per SM (``kernels.wgrad.programs_per_sm``).
-    Changes bits."""
+    May change bits."""
     wgrad_block_k: int = 64
-    """Token rows summed per step of the weight gradient (16..256, power of 2). Changes bits."""
+    """Token rows summed per step of the weight gradient (16..256, power of 2). May change bits."""
     wgrad_up_block_n: int = 128
     """Tile columns of the w1/w3 gradient launch (its w3 tiles follow its w1 tiles, one
-    accumulator each) (16..256, power of 2). Changes bits."""
+    accumulator each) (16..256, power of 2). May change bits."""
     wgrad_num_warps: int = 8
     """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
     wgrad_num_stages: int = 3

@@ -77,9 +77,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Tile shape and launch settings of one grouped GEMM. Changing ``block_*`` changes
-    the bits of bf16 results (the reduction is blocked differently); ``num_warps``,
-    ``num_stages`` and ``num_programs`` do not."""
+    """Tile shape and launch settings of one grouped GEMM. Changing ``block_*`` may change
+    the bits of bf16 results (the reduction may be blocked differently; on an H200 the
+    widths did not, benchmarks/RESULTS.md); ``num_warps``, ``num_stages`` and
+    ``num_programs`` do not."""
 
     block_m: int = 128
     block_n: int = 128
