@@ -65,13 +65,11 @@ VARIANTS = {
     "wgrad_stages2": dict(wgrad_num_stages=2),
     "wgrad_stages4": dict(wgrad_num_stages=4),
     "wgrad_bk128_s2": dict(wgrad_block_k=128, wgrad_num_stages=2),
-    "wgrad_up_bn128": dict(wgrad_up_block_n=128),
-    "wgrad_bm256_w8": dict(wgrad_block_m=256, wgrad_block_n=128, wgrad_up_block_n=128),
+    # the weight-gradient tiles before 128x128 (one program per SM)
+    "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),
+    "wgrad_w4": dict(wgrad_num_warps=4),
+    "wgrad_bm256_w8": dict(wgrad_block_m=256),
     "programs_264": dict(num_programs=264),
-    # two programs per SM (128x128 tiles leave room for two): one program's loads overlap
-    # the other's epilogue, which matters where a tile's reduction is short (few rows per expert)
-    "wgrad_bn128_p264": dict(wgrad_block_n=128, wgrad_up_block_n=128, num_programs=264),
-    "wgrad_bn128_w4_p264": dict(wgrad_block_n=128, wgrad_up_block_n=128, wgrad_num_warps=4, num_programs=264),
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),
     # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
     "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),

@@ -140,23 +140,27 @@ def measure(name, layer, x, grad, ref, flops, warmup, iters) -> Row:
     fwd_bwd_ms, back_to_back_ms = fwd_bwd_times(layer, x, grad, warmup, iters)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    xi = x.detach().requires_grad_(True)
-    layer(xi).backward(grad)
-    layer.zero_grad(set_to_none=True)
+    fwd_bwd_step(layer, x, grad)()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     return Row("", name, errs[0], errs[1], fwd_ms, fwd_bwd_ms, flops / fwd_bwd_ms / 1e9, peak, back_to_back_ms,
                [fwd_bwd_ms], [back_to_back_ms])
 
 
-def fwd_bwd_times(layer, x, grad, warmup, iters) -> tuple[float, float]:
-    """(synchronized, back-to-back) forward+backward milliseconds of ``layer``."""
+def fwd_bwd_step(layer, x, grad):
+    """One forward+backward of ``layer``, as a callable (its gradients dropped after)."""
     def fwd_bwd():
         xi = x.detach().requires_grad_(True)
         layer(xi).backward(grad)
         layer.zero_grad(set_to_none=True)
 
-    return median_cuda_ms(fwd_bwd, warmup, iters), back_to_back_cuda_ms(fwd_bwd, warmup, iters)
+    return fwd_bwd
+
+
+def fwd_bwd_times(layer, x, grad, warmup, iters) -> tuple[float, float]:
+    """(synchronized, back-to-back) forward+backward milliseconds of ``layer``."""
+    step = fwd_bwd_step(layer, x, grad)
+    return median_cuda_ms(step, warmup, iters), back_to_back_cuda_ms(step, warmup, iters)
 
 
 def more_rounds(measured: list[tuple[Row, object]], x, grad, rounds: int, warmup, iters, flops) -> None:

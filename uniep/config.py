@@ -94,8 +94,8 @@ class UniEPConfig:
     an error naming the rank, stage and flag (a peer that never signals; about 10 s
     on an H200). At least 1."""
     num_programs: int = 0
-    """Persistent programs per kernel launch; 0: one per SM (two for small tiles, and
-    for weight-gradient tiles where two fit an SM). Does not change bits."""
+    """Persistent programs per kernel launch; 0: one per SM (two for small tiles; for
+    the weight gradients as many as fit an SM, up to 3). Does not change bits."""
     descriptor_loads: bool = True
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead

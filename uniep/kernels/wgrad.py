@@ -14,7 +14,7 @@ plan order, accumulating in fp32: no atomics and no split over rows, so the resu
 bitwise the same for any number of programs. An expert with no rows gets zeros.
 
 Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N)
-tiles, two per SM where two fit (``programs_per_sm``).
+tiles, as many per SM as fit (``programs_per_sm``).
 """
 
 from __future__ import annotations
