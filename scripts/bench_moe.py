@@ -14,10 +14,11 @@ after each (the host's work before the call's first large kernel is counted), an
 calls issued back to back, as the layers of a training step are (the host issues the
 next call while the device runs this one; ``back_to_back_cuda_ms``). Both are timed in
 ``--rounds`` rounds that take the four main layers (TorchTitan and UniEP, eager and
-compiled) in turn, and each row reports the median of its rounds (a GPU's speed drifts
-during a run by as much as the differences measured). The dense bf16
-matmul rate measured in the same run is printed for scale. ``--sweep`` also times
-GEMM tile settings of UniEP (all, or those named), then its defaults again. ``--ep`` adds the megakernel with that many virtual
+compiled, and the ``--sweep`` layers) in turn, and each row reports the median of its
+rounds (a GPU's speed drifts during a run by as much as the differences measured). The
+dense bf16 matmul rate measured in the same run is printed for scale. ``--sweep`` also
+times GEMM tile settings of UniEP (all, or those named), each a layer of its own on the
+same weights. ``--ep`` adds the megakernel with that many virtual
 ranks on the one GPU (the whole W-rank protocol: pushes to peer buffers, flags, remote
 epilogues), checked bitwise against the one-rank UniEP layer first, with the bytes that
 would cross between ranks.
@@ -233,7 +234,18 @@ def megakernel_rows(uniep, x, grad, ref, flops, args) -> list[Row]:
     return rows
 
 
+def sweep_layers(uniep, labels: list[str]):
+    """(label, layer) for each ``SWEEP`` setting: a layer of its own (its own expert path)
+    on ``uniep``'s parameter objects, so it joins the interleaved rounds."""
+    from uniep import UniEPConfig, UniEPMoE
+
+    for label in labels:
+        yield label, UniEPMoE.from_torchtitan(uniep, replace(UniEPConfig(backend="triton"), **SWEEP[label]))
+
+
 def run_shape(shape, args) -> list[Row]:
+    from triton.runtime.errors import OutOfResources
+
     titan, uniep, T, D, H, E, K = build_layers(shape)
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -250,25 +262,16 @@ def run_shape(shape, args) -> list[Row]:
     # op, Inductor fusing the router's and the shared experts' ops around it
     uniep_compiled = torch.compile(uniep)
     rows.append(measure("uniep[compiled]", uniep_compiled, x, grad, ref, flops, args.warmup, args.iters))
-    more_rounds(list(zip(rows, (titan, titan_compiled, uniep, uniep_compiled))), x, grad, args.rounds, args.warmup,
-                args.iters, flops)
+    layers = [titan, titan_compiled, uniep, uniep_compiled]
+    for label, variant in sweep_layers(uniep, args.sweep):
+        try:
+            rows.append(measure(f"uniep[{label}]", variant, x, grad, ref, flops, args.warmup, args.iters))
+            layers.append(variant)
+        except OutOfResources as e:
+            print(f"  {shape} uniep[{label}]: skipped ({e})", flush=True)
+    more_rounds(list(zip(rows, layers)), x, grad, args.rounds, args.warmup, args.iters, flops)
     if args.ep:
         rows += megakernel_rows(uniep, x, grad, ref, flops, args)
-    if args.sweep:
-        from triton.runtime.errors import OutOfResources
-
-        from uniep import UniEPConfig
-
-        for label in args.sweep:
-            variant = copy.copy(uniep)  # shares the experts module, so its path too
-            variant.config = replace(UniEPConfig(backend="triton"), **SWEEP[label])
-            try:
-                rows.append(measure(f"uniep[{label}]", variant, x, grad, ref, flops, args.warmup, args.iters))
-            except OutOfResources as e:
-                print(f"  {shape} uniep[{label}]: skipped ({e})", flush=True)
-        uniep.config = uniep.config  # its own path again
-        # the defaults once more: the spread between the two is the noise of this run
-        rows.append(measure("uniep[default again]", uniep, x, grad, ref, flops, args.warmup, args.iters))
     if args.profile:
         profile_kernels("UniEP", uniep, x, grad)
         profile_kernels("compiled TorchTitan", titan_compiled, x, grad)
@@ -291,7 +294,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timing rounds of the four main layers, interleaved; the median is reported")
     parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
-                        help=f"also time these tile settings (default: all of {', '.join(SWEEP)}), then the defaults again")
+                        help=f"also time these tile settings (default: all of {', '.join(SWEEP)}), in the same rounds")
     parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")
     parser.add_argument("--ep", default="", help="expert-parallel degrees to add, e.g. 2,4,8 (virtual ranks)")
     parser.add_argument("--transport", default="megakernel", choices=["megakernel"],

@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_moe import cross_rank_bytes  # noqa: E402
+from bench_moe import SWEEP, cross_rank_bytes, sweep_layers  # noqa: E402
 
 
 class RoutedLayer:
@@ -39,6 +39,24 @@ def test_cross_rank_bytes_against_brute_force():
         sends += len({o for o in owners if o != src})
         returns += sum(o != src for o in owners)
     assert (dispatch, combine) == (sends * D * 2, returns * D * 2)
+
+
+def test_sweep_layers_share_weights_not_paths():
+    """Each --sweep layer runs its own tile settings on the default layer's parameter
+    objects, so it can be timed in the same rounds without changing the default's path."""
+    from uniep import UniEPConfig, UniEPMoE
+
+    torch.manual_seed(0)
+    default = UniEPMoE(16, 8, 4, 2, num_shared_experts=1, config=UniEPConfig(backend="triton"))
+    path = default.expert_path
+    labels = list(SWEEP)[:2]
+    made = list(sweep_layers(default, labels))
+    assert [label for label, _ in made] == labels
+    for label, layer in made:
+        assert layer.experts.w1 is default.experts.w1 and layer.router.gate is default.router.gate
+        assert layer.shared_experts is default.shared_experts
+        assert layer.config != default.config and layer.expert_path is not path
+    assert default.expert_path is path
 
 
 def test_bench_ep_smoke_on_cpu(tmp_path):
