@@ -57,11 +57,11 @@ VARIANTS = {
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
     "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
-    "gemm_stages3": dict(gemm_num_stages=3),
+    "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
     "gemm_stages5": dict(gemm_num_stages=5),
     "gemm_bn128": dict(gemm_block_n=128),
     "gemm_up_bn64": dict(gemm_up_block_n=64),
-    "gemm_bk128_s3": dict(gemm_block_k=128, gemm_num_stages=3),
+    "gemm_bk128_s2": dict(gemm_block_k=128, gemm_num_stages=2),
     "wgrad_stages2": dict(wgrad_num_stages=2),
     "wgrad_stages4": dict(wgrad_num_stages=4),
     "wgrad_bk128_s2": dict(wgrad_block_k=128, wgrad_num_stages=2),
@@ -74,11 +74,10 @@ VARIANTS = {
     # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
     "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),
     "wgrad_bm64_w4_bk32_s4": dict(wgrad_block_m=64, wgrad_num_warps=4, wgrad_block_k=32, wgrad_num_stages=4),
-    # two row-GEMM programs per SM: 3 stages of 128x128 tiles leave room for a second
-    # program in shared memory (4 stages do not), so one's epilogue overlaps the other's loads
-    "gemm_bn128_s3_p264": dict(gemm_block_n=128, gemm_num_stages=3, num_programs=264),
-    "swiglu_bwd_fused_s3_p264": dict(swiglu_bwd_fused=True, gemm_num_stages=3, num_programs=264),
-    "swiglu_bwd_fused_up_bn64_s3": dict(swiglu_bwd_fused=True, gemm_up_block_n=64, gemm_num_stages=3),
+    # two row-GEMM programs per SM (3 stages of 128x128 tiles leave room for a second in
+    # shared memory, so one's epilogue overlaps the other's loads): gemm_bn128_p264 and
+    "swiglu_bwd_fused_p264": dict(swiglu_bwd_fused=True, num_programs=264),
+    "swiglu_bwd_fused_up_bn64": dict(swiglu_bwd_fused=True, gemm_up_block_n=64),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)

@@ -51,7 +51,7 @@ SWEEP = {
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_bn128": dict(gemm_block_n=128),
     "wgrad_stages4": dict(wgrad_num_stages=4),
-    "gemm_stages3": dict(gemm_num_stages=3),
+    "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
     "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
 }
 

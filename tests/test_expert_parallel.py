@@ -74,6 +74,7 @@ def compile_layer(layer, monkeypatch_like):
 
 
 def _worker(rank, world, shared, barrier, store_path, router, seed, skew, result_path, backend, compiled):
+    torch.set_num_threads(1)  # as the one-process reference (``one_thread_reference``)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if backend == "megakernel":
@@ -110,6 +111,17 @@ def _worker(rank, world, shared, barrier, store_path, router, seed, skew, result
         dist.destroy_process_group()
 
 
+def one_thread_reference(router, seed, backend, x, grad_out, skew):
+    """The one-process result, computed on one CPU thread as each rank's is: on some CPUs (an AMD EPYC with 2 cores) a float32 matmul's bits
+    depend on how many threads split it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_ep(world, router, seed, skew, tmp_path, backend="torch", compiled=False):
     result = str(tmp_path / f"ep{world}")
     spawn_ranks(_worker, world, str(tmp_path / f"store{world}"), router, seed, skew, result, backend, compiled)
@@ -138,10 +150,9 @@ def run_ep(world, router, seed, skew, tmp_path, backend="torch", compiled=False)
     ],
 )
 def test_ep_matches_one_process_bitwise(world, router, skew, backend, tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     seed = 100 + world
     x, grad_out, _ = make_batch(seed, 2 * world, skew)
-    ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
+    ref_out, ref_gx, ref_w = one_thread_reference(router, seed, backend, x, grad_out, skew)
     out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path, backend)
     assert torch.equal(out, ref_out)
     assert torch.equal(gx, ref_gx)
@@ -154,10 +165,9 @@ def test_compiled_fullgraph_ep2_matches_one_process_bitwise(backend, tmp_path):
     """TorchTitan compiles each block with fullgraph=True: the layer traces without a
     graph break at EP 2 (the CUDA-only pinned copies forced on, so host-side planning
     traced by the compiler fails the test), and gives the eager one-process bits."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     world, router, seed, skew = 2, "qwen3", 7, backend == "megakernel"
     x, grad_out, _ = make_batch(seed, 2 * world, skew)
-    ref_out, ref_gx, ref_w = fwd_bwd(make_layer(router, seed, backend), x, grad_out, skew)
+    ref_out, ref_gx, ref_w = one_thread_reference(router, seed, backend, x, grad_out, skew)
     out, gx, w_grads = run_ep(world, router, seed, skew, tmp_path, backend, compiled=True)
     assert torch.equal(out, ref_out)
     assert torch.equal(gx, ref_gx)
