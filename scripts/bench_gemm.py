@@ -1,14 +1,15 @@
 """Where UniEP's routed-expert time goes, launch by launch, and which tile settings win.
 
     python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,pointer_loads,...]
-                                 [--warmup 5 --iters 20] [--json out.json]
+                                 [--warmup 5 --iters 20] [--rounds 3] [--json out.json]
 
 For each shape (``bench_moe.py``'s): one random top-k routing, then the steps of the
 Triton path as the models use it, scores applied after the experts (forward: the copy
 of the token rows in plan order, gate/up with SwiGLU, down; backward: the down input
 gradient with the SwiGLU backward (two launches), the up input gradient, the weight
 gradients of w2 and of w1/w3), each timed alone (median of CUDA events after warm-up)
-under every variant, with its TFLOP/s.
+under every variant, with its TFLOP/s: ``--rounds`` rounds that take every launch of every
+variant in turn, and the median of the rounds.
 Correctness first: each launch of the default settings against an fp32 PyTorch
 computation of the same rows, and every variant against the default: bitwise where it
 only changes the schedule (warps, stages, programs, descriptor loads, fused or separate
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -201,7 +203,7 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
     print(f"{shape}: default launches vs fp32: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
     if not all(e < 2e-2 for e in errs.values()):
         raise SystemExit(f"{shape}: default launches disagree with fp32 {errs}; not timing")
-    rows = []
+    rows, timed = [], []
     for variant in names:
         knobs = VARIANTS[variant]
         fns = launches(p, knobs)
@@ -213,7 +215,7 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
                 print(f"{shape} {variant} {name}: cannot launch: {type(e).__name__}: "
                       f"{str(e).strip().splitlines()[0][:200]}", flush=True)
                 rows.append(dict(shape=shape, variant=variant, launch=name, checked="launch", ok=False,
-                                 ms=float("nan"), tflops=float("nan")))
+                                 ms=float("nan"), tflops=float("nan"), rounds_ms=[]))
                 continue
             pairs = list(zip(out, base_outs[name])) if isinstance(out, tuple) else [(out, base_outs[name])]
             same_bits = all(torch.equal(a, b) for a, b in pairs)
@@ -222,14 +224,25 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
             else:
                 ok = all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2 for a, b in pairs)
             row = dict(shape=shape, variant=variant, launch=name, checked="bitwise" if bitwise else "close", ok=ok,
-                       same_bits=same_bits, ms=float("nan"), tflops=float("nan"))
+                       same_bits=same_bits, ms=float("nan"), tflops=float("nan"), rounds_ms=[])
             if ok:
-                row["ms"] = median_ms(fn, args.warmup, args.iters, args.device)
-                row["tflops"] = fl[name] / row["ms"] / 1e9
-            print(f"{shape} {variant} {name}: {row['ms']:.3f} ms ({row['tflops']:.0f} TFLOP/s)"
-                  + ("" if ok else " differs from the default")
-                  + (" (same bits as the default)" if same_bits and not bitwise else ""), flush=True)
+                timed.append((row, fn))
+            else:
+                print(f"{shape} {variant} {name}: differs from the default; not timed", flush=True)
             rows.append(row)
+    # Every launch of every variant once per round, in turns, the order reversed every
+    # other round: a GPU runs the first launches timed in a call slower (seen: 10%), and
+    # the median over the rounds keeps that from one variant's column.
+    for r in range(args.rounds):
+        for row, fn in (timed if r % 2 == 0 else timed[::-1]):
+            row["rounds_ms"].append(median_ms(fn, args.warmup, args.iters, args.device))
+    for row, _ in timed:
+        row["ms"] = statistics.median(row["rounds_ms"])
+        row["tflops"] = fl[row["launch"]] / row["ms"] / 1e9
+        print(f"{shape} {row['variant']} {row['launch']}: {row['ms']:.3f} ms ({row['tflops']:.0f} TFLOP/s)"
+              + (" (same bits as the default)" if row["same_bits"] and row["checked"] == "close" else "")
+              + (f"  rounds {'/'.join(f'{t:.3f}' for t in row['rounds_ms'])}" if len(row["rounds_ms"]) > 1 else ""),
+              flush=True)
     return rows
 
 
@@ -259,9 +272,13 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds over all variants' launches, in turns; the median is reported")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        sys.exit(f"--rounds = {args.rounds}: allowed values: 1 or more")
     shapes, names = args.shapes.split(","), args.variants.split(",")
     for field, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", names, VARIANTS)):
         unknown = [g for g in given if g not in allowed]

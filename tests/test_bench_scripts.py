@@ -83,7 +83,7 @@ def test_bench_ep_smoke_on_cpu(tmp_path):
 def _bench_gemm_args(**kw):
     import argparse
 
-    return argparse.Namespace(device="cpu", warmup=1, iters=1, **kw)
+    return argparse.Namespace(**{"device": "cpu", "warmup": 1, "iters": 1, "rounds": 1, **kw})
 
 
 def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
@@ -99,6 +99,27 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     checks = {r["variant"]: r["checked"] for r in rows}
     assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close",
                       "swiglu_bwd_fused": "bitwise", "gather_in_kernel": "bitwise"}
+
+
+def test_bench_gemm_rounds_take_the_launches_in_turns(monkeypatch):
+    """Each round times every checked launch of every variant once, the order reversed
+    every other round, and a row reports the median of its rounds."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_gemm
+
+    calls = []
+
+    def fake_median_ms(fn, warmup, iters, device):
+        calls.append(fn)
+        return float(len(calls))
+
+    monkeypatch.setattr(bench_gemm, "median_ms", fake_median_ms)
+    rows = bench_gemm.run_shape("tiny", ["default", "pointer_loads"], _bench_gemm_args(rounds=3))
+    n = len(rows)
+    assert n == 2 * len(bench_gemm.LAUNCHES) and len(calls) == 3 * n
+    assert calls[n:2 * n] == calls[:n][::-1] and calls[2 * n:] == calls[:n]
+    for i, row in enumerate(rows):  # the i-th launch timed i+1, 2n-i and 2n+i+1
+        assert row["rounds_ms"] == [i + 1, 2 * n - i, 2 * n + i + 1] and row["ms"] == 2 * n - i
 
 
 def test_bench_gemm_refuses_to_time_a_variant_that_changes_the_bits(monkeypatch):
