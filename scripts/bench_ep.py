@@ -232,6 +232,7 @@ def main() -> None:
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    dist.barrier()  # leave together: a gloo rank tearing down alone was seen to abort its peer
     dist.destroy_process_group()
     if not all_bitwise:
         sys.exit("expert-parallel results differ from one GPU")
