@@ -63,8 +63,8 @@ class UniEPConfig:
     """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
-    device's shared memory. 3 was faster than 4 on an H200 (benchmarks/RESULTS.md).
-    Does not change bits."""
+    device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
+    than 4 (benchmarks/RESULTS.md). Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). May change bits."""
