@@ -72,14 +72,14 @@ VARIANTS = {
     "wgrad_w4": dict(wgrad_num_warps=4),
     "wgrad_bm256_w8": dict(wgrad_block_m=256),
     "programs_264": dict(num_programs=264),
+    # two row-GEMM programs per SM: 3 stages of 128x128 tiles leave room for a second in
+    # shared memory, so one's epilogue overlaps the other's loads
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),
+    "swiglu_bwd_fused_p264": dict(swiglu_bwd_fused=True, num_programs=264),
+    "swiglu_bwd_fused_up_bn64": dict(swiglu_bwd_fused=True, gemm_up_block_n=64),
     # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
     "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),
     "wgrad_bm64_w4_bk32_s4": dict(wgrad_block_m=64, wgrad_num_warps=4, wgrad_block_k=32, wgrad_num_stages=4),
-    # two row-GEMM programs per SM (3 stages of 128x128 tiles leave room for a second in
-    # shared memory, so one's epilogue overlaps the other's loads): gemm_bn128_p264 and
-    "swiglu_bwd_fused_p264": dict(swiglu_bwd_fused=True, num_programs=264),
-    "swiglu_bwd_fused_up_bn64": dict(swiglu_bwd_fused=True, gemm_up_block_n=64),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)

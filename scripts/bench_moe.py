@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="timing rounds of the four main layers, interleaved; the median is reported")
+                        help="timing rounds of the four main layers and the --sweep layers, interleaved; the median is reported")
     parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
                         help=f"also time these tile settings (default: all of {', '.join(SWEEP)}), in the same rounds")
     parser.add_argument("--profile", action="store_true", help="print UniEP's per-kernel device time")

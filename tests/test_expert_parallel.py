@@ -112,8 +112,8 @@ def _worker(rank, world, shared, barrier, store_path, router, seed, skew, result
 
 
 def one_thread_reference(router, seed, backend, x, grad_out, skew):
-    """The one-process result, computed on one CPU thread as each rank's is: on some CPUs (an AMD EPYC with 2 cores) a float32 matmul's bits
-    depend on how many threads split it."""
+    """The one-process result, computed on one CPU thread as each rank's is: on some CPUs
+    (an AMD EPYC with 2 cores) a float32 matmul's bits depend on how many threads split it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
