@@ -43,8 +43,8 @@ from uniep.kernels.grouped_gemm import (  # noqa: E402
     ExpertTiles,
     grouped_gemm,
     grouped_gemm_reference,
-    tile_offsets,
 )
+from uniep.kernels.row_tiles import row_tiles  # noqa: E402
 from uniep.kernels.swiglu import swiglu_backward_  # noqa: E402
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
 
@@ -125,7 +125,7 @@ def launches(p: dict, knobs: dict) -> dict:
     tiles = ExpertTiles.from_config(dataclasses.replace(UniEPConfig(), **knobs))
     gemm, up, wgrad, wgrad_up = tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up
     P, E, x, token_of_row = p["P"], p["E"], p["x"], p["token_of_row"]
-    offsets = tile_offsets(p["counts"], gemm.block_m)
+    schedule = row_tiles(p["counts"], gemm.block_m, P)
 
     def gather_rows():
         return x if gather_in_kernel else x.index_select(0, token_of_row)
@@ -133,30 +133,30 @@ def launches(p: dict, knobs: dict) -> dict:
     rows, row_index = gather_rows(), (token_of_row if gather_in_kernel else None)
 
     def gate_up():
-        return grouped_gemm(rows, p["w1"], offsets, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD, w2_E=p["w3"],
+        return grouped_gemm(rows, p["w1"], schedule, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD, w2_E=p["w3"],
                             a_row=row_index)
 
     h, a1, a3 = gate_up()
 
     def down_dgrad():
         if fused:
-            return grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
+            return grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
                                 aux=(a1, a3))
         pair = p["grad_y"].new_empty(2, *a1.shape)
-        grouped_gemm(p["grad_y"], p["w2"], offsets, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
+        grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
         return swiglu_backward_(pair, a1, a3)
 
     d_a1, d_a3 = down_dgrad()
     return dict(
         **({} if gather_in_kernel else dict(gather_rows=gather_rows)),
         gate_up=gate_up,
-        down=lambda: grouped_gemm(h, p["w2"], offsets, P, transpose_w=True, tiles=gemm, mode=PLAIN,
+        down=lambda: grouped_gemm(h, p["w2"], schedule, P, transpose_w=True, tiles=gemm, mode=PLAIN,
                                   c_row=p["pair_of_row"]),
         down_dgrad=down_dgrad,
-        up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], offsets, P, transpose_w=False, tiles=gemm, mode=DUAL,
+        up_dgrad=lambda: grouped_gemm(d_a1, p["w1"], schedule, P, transpose_w=False, tiles=gemm, mode=DUAL,
                                       a2=d_a3, w2_E=p["w3"], c_row=p["pair_of_row"]),
-        wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, offsets[0], E, tiles=wgrad, out_dtype=p["dtype"]),
-        wgrad_up=lambda: grouped_wgrad(d_a1, rows, offsets[0], E, tiles=wgrad_up, out_dtype=p["dtype"],
+        wgrad_down=lambda: grouped_wgrad(p["grad_y"], h, schedule.expert_offsets, E, tiles=wgrad, out_dtype=p["dtype"]),
+        wgrad_up=lambda: grouped_wgrad(d_a1, rows, schedule.expert_offsets, E, tiles=wgrad_up, out_dtype=p["dtype"],
                                        b_row=row_index, a2=d_a3),
     )
 

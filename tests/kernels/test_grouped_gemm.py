@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.kernels.routing import make_routing
-from uniep.kernels.grouped_gemm import PLAIN, GemmTiles, grouped_gemm, grouped_gemm_reference, tile_offsets
+from uniep.kernels.grouped_gemm import PLAIN, GemmTiles, grouped_gemm, grouped_gemm_reference
+from uniep.kernels.row_tiles import row_tiles
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference
 
 TILES = GemmTiles(block_m=16, block_n=16, block_k=16, num_programs=3)
@@ -32,7 +33,7 @@ def test_plain_gemm_with_gather_scale_scatter(T, K, E, Kd, N, kind, dtype, trans
     scale = torch.rand(P, generator=gen)
     c_row = order.to(torch.int32)
     out = grouped_gemm(
-        x, w, tile_offsets(counts, TILES.block_m), P, transpose_w=transpose_w, tiles=TILES,
+        x, w, row_tiles(counts, TILES.block_m, P), P, transpose_w=transpose_w, tiles=TILES,
         mode=PLAIN, a_row=a_row, a_scale=scale, c_row=c_row,
     )
     # reference on the scaled rows, rounded to the input dtype as the kernel does
@@ -48,7 +49,7 @@ def test_results_do_not_depend_on_the_number_of_programs():
     _, order, counts = make_routing(11, 2, 4, "random", gen)
     x = torch.randn(22, 32, generator=gen)
     w = torch.randn(4, 24, 32, generator=gen)
-    offsets = tile_offsets(counts, 16)
+    offsets = row_tiles(counts, 16, 22)
     runs = [
         grouped_gemm(x, w, offsets, 22, transpose_w=True, tiles=GemmTiles(16, 16, 16, num_programs=p))
         for p in (1, 2, 7)
@@ -72,7 +73,7 @@ def test_wgrad_matches_reference(T, K, E, M, N, kind, dtype):
     b = torch.randn(T, N, generator=gen).to(dtype)  # e.g. tokens
     a_row, b_row = order.to(torch.int32), (order // K).to(torch.int32)
     scale = torch.rand(P, generator=gen)
-    expert_offsets, _ = tile_offsets(counts, 16)
+    expert_offsets = row_tiles(counts, 16, P).expert_offsets
     out = grouped_wgrad(a, b, expert_offsets, E, tiles=TILES, out_dtype=torch.float32, a_row=a_row, b_row=b_row, b_scale=scale)
     b_scaled = (b[b_row.long()].float() * scale[:, None]).to(dtype)
     ref = grouped_wgrad_reference(a, b_scaled, counts.tolist(), a_row=a_row)
@@ -92,7 +93,7 @@ def test_wgrad_with_two_inputs_shares_the_b_rows():
     a, a2 = torch.randn(20, 24, generator=gen), torch.randn(20, 24, generator=gen)
     b = torch.randn(10, 40, generator=gen)
     b_row = (order // 2).to(torch.int32)
-    expert_offsets, _ = tile_offsets(counts, 16)
+    expert_offsets = row_tiles(counts, 16, 20).expert_offsets
     c, c2 = grouped_wgrad(a, b, expert_offsets, 4, tiles=TILES, out_dtype=torch.float32, b_row=b_row, a2=a2)
     # The stacked launch computes (B^T A)^T: the same products, summed in the same row
     # chunks, but the interpreter's float32 matmul may round a transposed product
@@ -112,16 +113,16 @@ def _all_launches(x, w1, w2, w3, grad_y, counts, K, tiles):
     order = torch.randperm(P, generator=gen)
     token, pair = (order // K).to(torch.int32), order.to(torch.int32)
     scale = torch.rand(P, generator=gen)
-    off = tile_offsets(counts, tiles.block_m)
+    off = row_tiles(counts, tiles.block_m, P)
     h, a1, a3 = grouped_gemm(x, w1, off, P, transpose_w=True, tiles=tiles, mode=SWIGLU_FWD, w2_E=w3,
                              a_row=token, a_scale=scale)
     y = grouped_gemm(h, w2, off, P, transpose_w=True, tiles=tiles, mode=PLAIN, c_row=pair)
     d1, d3 = grouped_gemm(grad_y, w2, off, P, transpose_w=False, tiles=tiles, mode=SWIGLU_BWD, a_row=pair,
                           aux=(a1, a3))
     d_rows = grouped_gemm(d1, w1, off, P, transpose_w=False, tiles=tiles, mode=DUAL, a2=d3, w2_E=w3, c_row=pair)
-    gw2 = grouped_wgrad(grad_y, h, off[0], E, tiles=tiles, out_dtype=torch.float32, a_row=pair)
-    gw1, gw3 = grouped_wgrad(d1, x, off[0], E, tiles=tiles, out_dtype=torch.float32, b_row=token, b_scale=scale, a2=d3)
-    gw2_contiguous = grouped_wgrad(h, d1, off[0], E, tiles=tiles, out_dtype=torch.float32)  # both through descriptors
+    gw2 = grouped_wgrad(grad_y, h, off.expert_offsets, E, tiles=tiles, out_dtype=torch.float32, a_row=pair)
+    gw1, gw3 = grouped_wgrad(d1, x, off.expert_offsets, E, tiles=tiles, out_dtype=torch.float32, b_row=token, b_scale=scale, a2=d3)
+    gw2_contiguous = grouped_wgrad(h, d1, off.expert_offsets, E, tiles=tiles, out_dtype=torch.float32)  # both through descriptors
     return h, a1, a3, y, d1, d3, d_rows, gw2, gw1, gw3, gw2_contiguous
 
 
@@ -204,7 +205,7 @@ def test_a_second_operand_of_another_shape_is_refused_before_launch():
     counts = torch.tensor([3, 2])
     w = torch.randn(2, 8, 16)
     a = torch.randn(5, 8)
-    offsets = tile_offsets(counts, TILES.block_m)
+    offsets = row_tiles(counts, TILES.block_m, 5)
     out = grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES, mode=DUAL, a2=a.clone(), w2_E=w)
     assert torch.allclose(out, 2 * grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="A2 must have A's shape and strides"):

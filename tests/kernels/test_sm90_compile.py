@@ -62,10 +62,10 @@ def compile_sm90(name: str) -> dict:
                               "*bf16")
         types |= dict.fromkeys(("N", "Kd", "num_experts", "rows_a", "stride_am", "stride_be", "stride_bk",
                                 "stride_bn", "stride_cm", "stride_auxm"), "i32")
-        types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", expert_offsets_ptr="*i32",
-                      tile_offsets_ptr="*i32")
+        types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", tile_offsets_ptr="*i32",
+                      table_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
-                         B_TRANSPOSED=True, NUM_PROGRAMS=132, LOG2_E=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                         B_TRANSPOSED=True, NUM_PROGRAMS=132, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
                          DOT_PRECISION="tf32")
     elif kind in (ROUTER, ROUTER_BWD):
         kernel = (router_select._router_select_kernel if kind == ROUTER

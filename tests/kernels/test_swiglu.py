@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.kernels.routing import make_routing
-from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_BWD, GemmTiles, grouped_gemm, tile_offsets
+from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_BWD, GemmTiles, grouped_gemm
+from uniep.kernels.row_tiles import row_tiles
 from uniep.kernels.swiglu import swiglu_backward_, swiglu_backward_reference
 
 
@@ -33,7 +34,7 @@ def test_rejects_buffers_of_the_wrong_shape():
         swiglu_backward_(torch.empty(3, 4, 5), torch.empty(4, 5), torch.empty(4, 5))
     with pytest.raises(ValueError, match="a1, a3 must be contiguous"):
         swiglu_backward_(torch.empty(2, 4, 5), torch.empty(4, 6), torch.empty(4, 6))
-    offsets = tile_offsets(torch.tensor([4]), 16)
+    offsets = row_tiles(torch.tensor([4]), 16, 4)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 6\) tensor, for PLAIN or DUAL"):
         grouped_gemm(torch.randn(4, 5), torch.randn(1, 6, 5), offsets, 4, transpose_w=True,
                      tiles=GemmTiles(16, 16, 16), out=torch.empty(4, 7))
@@ -51,7 +52,7 @@ def test_separate_launches_give_the_bits_of_the_fused_epilogue(dtype):
     grad_y = torch.randn(P, D, generator=gen).to(dtype)
     w2 = (torch.randn(E, D, H, generator=gen) * 0.3).to(dtype)
     a1, a3 = (torch.randn(P, H, generator=gen).to(dtype) for _ in range(2))
-    offsets = tile_offsets(counts, 16)
+    offsets = row_tiles(counts, 16, P)
     fused = grouped_gemm(grad_y, w2, offsets, P, transpose_w=False, tiles=GemmTiles(16, 16, 16, num_programs=3),
                          mode=SWIGLU_BWD, aux=(a1, a3))
     pair = grad_y.new_empty(2, P, H)

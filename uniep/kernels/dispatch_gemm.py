@@ -42,13 +42,13 @@ from uniep.kernels.grouped_gemm import (
     GemmTiles,
     _num_programs,
     _tile_accumulate,
-    _tile_coords,
     _tile_store,
     _weight_view,
     dot_precision,
     pair_buffer,
 )
 from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.row_tiles import tile_coords
 
 
 @triton.jit
@@ -111,12 +111,12 @@ def _dispatch_gemm_kernel(
     a_row_ptr, a_scale_ptr,  # (R,) landing slot and score of each row (read by the tiles)
     row_flag_ptr,  # (R,) ready flag of each row
     b_ptr, b2_ptr, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-    expert_offsets_ptr, tile_offsets_ptr,
+    tile_offsets_ptr, table_ptr,
     N, Kd, num_experts, experts_per_rank, land_rows_per_rank,
     stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr, PUSH_META: tl.constexpr, HAS_SCALE: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, SENDS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
-    LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCOPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -135,10 +135,7 @@ def _dispatch_gemm_kernel(
                 K, KP, PUSH_META, SENDS_PER_TASK, BLOCK_D, SCOPE,
             )
         else:
-            e, _, _, rows, mask_m, cols, mask_n = _tile_coords(
-                task - n_push, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
-                LOG2_E, BLOCK_M, BLOCK_N,
-            )
+            e, _, _, rows, mask_m, cols, mask_n = tile_coords(task - n_push, n_tiles, N, table_ptr, BLOCK_M, BLOCK_N)
             owner = e // experts_per_rank
             wait_flags(row_flag_ptr, rows, mask_m, epoch, max_spins, error_ptr, rank0 + owner, _STAGE_DISPATCH, SCOPE)
             a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64) + owner.to(tl.int64) * land_rows_per_rank
@@ -211,13 +208,12 @@ def dispatch_gemm(
         sends.num_sends, D, peers.tokens_cap, peers.pairs_cap, peers.rank0, epoch, max_spins,
         peers.local("land"), a_row, a_scale, peers.local("row_flag"),
         w_E, w_E if w3_E is None else w3_E, c, c2, aux[0], aux[1],
-        owner_rows.expert_offsets, owner_rows.tile_offsets,
+        owner_rows.schedule.tile_offsets, owner_rows.schedule.table,
         N, Kd, w_E.shape[0], owner_rows.experts_per_rank, peers.world * peers.tokens_cap,
         s_be, s_bk, s_bn, c.stride(0), aux[0].stride(0),
         MODE=mode, PUSH_META=push_meta, HAS_SCALE=scale_rows,
         K=K, KP=triton.next_power_of_2(K), SENDS_PER_TASK=sends_per_task,
         BLOCK_D=min(256, triton.next_power_of_2(D)),
-        LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(x_TD.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -35,8 +35,8 @@ from uniep.kernels.grouped_gemm import (
     SWIGLU_FWD,
     ExpertTiles,
     grouped_gemm,
-    tile_offsets,
 )
+from uniep.kernels.row_tiles import RowTiles, row_tiles
 from uniep.kernels.swiglu import swiglu_backward_
 from uniep.kernels.wgrad import grouped_wgrad
 
@@ -58,7 +58,7 @@ class ExpertRowsState:
     a3: torch.Tensor | None
     """The forward activations (a1, a3 released after the SwiGLU backward, h after the
     w2 gradient)."""
-    offsets: tuple[torch.Tensor, torch.Tensor]
+    schedule: RowTiles
     num_rows: int
     dtype: torch.dtype
     """The rows' dtype, in which the GEMMs run."""
@@ -95,13 +95,13 @@ def expert_rows_forward(
         rows = rows.index_select(0, source_row)
     R = rows.shape[0]
     w1, w2, w3 = (_in_dtype(w, rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
-    offsets = tile_offsets(rows_per_expert_E, tiles.gemm.block_m)
+    schedule = row_tiles(rows_per_expert_E, tiles.gemm.block_m, R)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
-    h, a1, a3 = grouped_gemm(rows, w1, offsets, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
+    h, a1, a3 = grouped_gemm(rows, w1, schedule, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
                              w2_E=w3, a_scale=scale_R)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
-    y = grouped_gemm(h, w2, offsets, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
-    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, offsets, R, rows.dtype)
+    y = grouped_gemm(h, w2, schedule, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
+    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, schedule, R, rows.dtype)
 
 
 def w2_grad_first(state: ExpertRowsState) -> bool:
@@ -120,7 +120,7 @@ def _down_input_grad(state: ExpertRowsState, tiles: ExpertTiles) -> tuple[torch.
     epilogue at the wide tiles would spill). Releases a1, a3."""
     state.grad_y = state.grad_y.contiguous()
     pair = state.grad_y.new_empty(2, *state.a1.shape)
-    grouped_gemm(state.grad_y, state.weight(1), state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm,
+    grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False, tiles=tiles.gemm,
                  mode=PLAIN, out=pair[0])
     d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
     state.a1 = state.a3 = None
@@ -131,7 +131,7 @@ def _down_weight_grad(state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tenso
     """grad w2 in its dtype (one program per tile, the expert's rows in order).
     Releases grad_y and h."""
     w2 = state.weights[1]
-    grad_w2 = grouped_wgrad(state.grad_y, state.h, state.offsets[0], w2.shape[0], tiles=tiles.wgrad,
+    grad_w2 = grouped_wgrad(state.grad_y, state.h, state.schedule.expert_offsets, w2.shape[0], tiles=tiles.wgrad,
                             out_dtype=w2.dtype)
     state.grad_y = state.h = None
     return grad_w2
@@ -140,14 +140,14 @@ def _down_weight_grad(state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tenso
 def _rows_input_grad(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles) -> torch.Tensor:
     """d rows = d_a1 @ w1[e] + d_a3 @ w3[e] (one accumulator), in ``y``'s layout: the
     gradient of the (scaled) input rows."""
-    return grouped_gemm(d_a1, state.weight(0), state.offsets, state.num_rows, transpose_w=False, tiles=tiles.gemm,
+    return grouped_gemm(d_a1, state.weight(0), state.schedule, state.num_rows, transpose_w=False, tiles=tiles.gemm,
                         mode=DUAL, a2=d_a3, w2_E=state.weight(2), c_row=state.target_row)
 
 
 def _up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsState, tiles: ExpertTiles):
     """(grad w1, grad w3) in the weights' dtypes, from one launch. Releases the rows."""
     w1, _, w3 = state.weights
-    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.offsets[0], w1.shape[0], tiles=tiles.wgrad_up,
+    grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.schedule.expert_offsets, w1.shape[0], tiles=tiles.wgrad_up,
                                      out_dtype=w1.dtype, b_scale=state.scale_R, a2=d_a3)
     state.rows = None
     return grad_w1, grad_w3.to(w3.dtype)

@@ -36,11 +36,11 @@ from uniep.kernels.grouped_gemm import (
     GemmTiles,
     _num_programs,
     _tile_accumulate,
-    _tile_coords,
     _weight_view,
     dot_precision,
 )
 from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.row_tiles import tile_coords
 
 
 @triton.jit
@@ -87,14 +87,14 @@ def _gemm_combine_kernel(
     # GEMM side (this launch's owners)
     a_ptr, a2_ptr, b_ptr, b2_ptr, origin_ptr,
     ret_delta_ptr, ret_flag_delta_ptr,  # (W,) int64: rank r's return region at ret_ptr + ret_delta[r]
-    expert_offsets_ptr, tile_offsets_ptr,
+    tile_offsets_ptr, table_ptr,
     N, Kd, num_experts, stride_am, stride_be, stride_bk, stride_bn,
     # combine side (this launch's senders)
     ret_ptr, ret_flag_ptr, w_ptr, out_ptr, slot_ptr, combine_src_ptr, combine_t0_ptr, tok_base_ptr, tok_count_ptr,
     n_combine, P_cap, rank0, max_spins,
     MODE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, RELAY: tl.constexpr,
     TOKENS_PER_TASK: tl.constexpr, BLOCK_D: tl.constexpr,
-    LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCOPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -102,9 +102,7 @@ def _gemm_combine_kernel(
     task = tl.atomic_add(counter_ptr, 1)
     while task < gemm_tasks + n_combine:
         if task < gemm_tasks:
-            e, _, _, rows, mask_m, cols, mask_n = _tile_coords(
-                task, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
-            )
+            e, _, _, rows, mask_m, cols, mask_n = tile_coords(task, n_tiles, N, table_ptr, BLOCK_M, BLOCK_N)
             acc, _ = _tile_accumulate(
                 e, rows.to(tl.int64), mask_m, cols, mask_n, mask_m, a_ptr, a2_ptr, b_ptr, b2_ptr,
                 Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, False, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -175,14 +173,13 @@ def gemm_combine(
         counter, error,
         a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,
         peers.deltas["ret"], peers.deltas["ret_flag"],
-        owner_rows.expert_offsets, owner_rows.tile_offsets,
+        owner_rows.schedule.tile_offsets, owner_rows.schedule.table,
         N, Kd, w_E.shape[0], a.stride(0), s_be, s_bk, s_bn,
         peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,
         pair_slots if relay else counter, combine_src, combine_t0, sends.token_base, sends.token_count,
         combine_src.numel(), peers.pairs_cap, peers.rank0, max_spins,
         MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None, RELAY=relay,
         TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
-        LOG2_E=max(1, (w_E.shape[0] - 1).bit_length() + 1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

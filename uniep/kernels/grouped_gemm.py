@@ -1,7 +1,7 @@
 """Grouped GEMM over expert-major rows, with row gather/scatter and SwiGLU epilogues.
 
 Shape legend: R rows (expert-major, the plan's order), E experts, Kd reduction dim,
-N output dim. Row block ``[offsets[e], offsets[e+1])`` belongs to expert ``e``.
+N output dim. Row block ``[expert_offsets[e], expert_offsets[e+1])`` belongs to expert ``e``.
 
 For each expert ``e`` and each of its rows ``r``::
 
@@ -21,7 +21,7 @@ Grid: persistent, ``NUM_PROGRAMS`` programs; program ``p`` takes tiles
 ``p, p + NUM_PROGRAMS, ...`` of (row tile, column tile). Row tiles never cross experts;
 each output element is one dot product accumulated in fp32 over Kd in order, so the
 bits do not depend on ``NUM_PROGRAMS``. The tile schedule is read on the device (no
-host sync): ``tile_offsets[e]`` is the first row tile of expert ``e``.
+host sync), from a ``row_tiles`` schedule built once per plan.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from uniep.kernels.launch import cdiv, launcher, sm_count
+from uniep.kernels.row_tiles import RowTiles, row_block, tile_span
 from uniep.kernels.swiglu import swiglu_backward_math, swiglu_forward_math
 
 PLAIN, SWIGLU_FWD, SWIGLU_BWD, DUAL = 0, 1, 2, 3
@@ -147,7 +147,7 @@ class ExpertTiles:
     """The w1/w3 gradient."""
 
     def __post_init__(self) -> None:
-        # The gate/up launch and the plain ones walk one row-tile schedule (tile_offsets).
+        # The gate/up launch and the plain ones walk one row-tile schedule (``row_tiles``).
         if self.up.block_m != self.gemm.block_m:
             raise ValueError(
                 f"the gate/up tiles' block_m = {self.up.block_m} must equal the GEMM tiles' block_m = "
@@ -169,35 +169,6 @@ class ExpertTiles:
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
-
-
-@triton.jit
-def _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E: tl.constexpr):
-    """Largest e in [0, E) with tile_offsets[e] <= m_tile (skips empty experts)."""
-    lo = 0  # invariant: tile_offsets[lo] <= m_tile (tile_offsets[0] == 0); answer in [lo, hi)
-    hi = num_experts
-    for _ in range(LOG2_E):
-        mid = (lo + hi) // 2
-        active = hi - lo > 1
-        right = tl.load(tile_offsets_ptr + mid) <= m_tile
-        lo = tl.where(active & right, mid, lo)
-        hi = tl.where(active & (right == 0), mid, hi)
-    return lo
-
-
-@triton.jit
-def _tile_coords(tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts,
-                 LOG2_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``tile`` of the schedule -> (expert, first row, first column, rows (BLOCK_M,),
-    row mask, cols (BLOCK_N,), col mask)."""
-    m_tile = tile // n_tiles
-    e = _find_expert(tile_offsets_ptr, m_tile, num_experts, LOG2_E)
-    row_end = tl.load(expert_offsets_ptr + e + 1)
-    row0 = tl.load(expert_offsets_ptr + e) + (m_tile - tl.load(tile_offsets_ptr + e)) * BLOCK_M
-    n0 = (tile % n_tiles) * BLOCK_N
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    return e, row0, n0, rows, rows < row_end, cols, cols < N
 
 
 @triton.jit
@@ -322,14 +293,14 @@ def _grouped_gemm_kernel(
     c_ptr, c2_ptr,  # (rows_c, N) outputs
     c_row_ptr,  # (R,) int32 or int64: output row for each plan row (HAS_C_ROW)
     aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
-    expert_offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
+    table_ptr,  # (T, 3) int32: expert, first row, end row of each row tile (``row_tiles``)
     N, Kd, num_experts, rows_a,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, LOG2_E: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -351,26 +322,31 @@ def _grouped_gemm_kernel(
                                          BLOCK_N, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
+    # Each tile's row block is loaded one tile ahead, so its latency hides under the
+    # previous tile's loop; the scatter rows are loaded before the loop for the same reason.
+    e, row0, row_end = row_block(table_ptr, pid // n_tiles, pid < total_tiles)
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        e, row0, n0, rows, mask_m, cols, mask_n = _tile_coords(
-            tile, n_tiles, N, expert_offsets_ptr, tile_offsets_ptr, num_experts, LOG2_E, BLOCK_M, BLOCK_N
-        )
+        next_tile = tile + NUM_PROGRAMS
+        next_e, next_row0, next_row_end = row_block(table_ptr, next_tile // n_tiles, next_tile < total_tiles)
+        n0 = (tile % n_tiles) * BLOCK_N
+        rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
         if HAS_A_ROW:
             a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
         else:
             a_rows = rows.to(tl.int64)
+        if HAS_C_ROW:
+            c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+        else:
+            c_rows = rows.to(tl.int64)
         scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_A_SCALE, other=0.0)
         acc, acc3 = _tile_accumulate(
             e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
             Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
             DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
         )
-        if HAS_C_ROW:
-            c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
-        else:
-            c_rows = rows.to(tl.int64)
         _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+        e, row0, row_end = next_e, next_row0, next_row_end
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int | None = None) -> int:
@@ -419,14 +395,6 @@ def pair_buffer(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
     return pair[0], pair[1]
 
 
-def tile_offsets(rows_per_expert_E: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E+1,) int32 row offsets and (E+1,) int32 row-tile offsets, computed on device
-    (in few ops: each costs host time)."""
-    tiles_E = (rows_per_expert_E + (block_m - 1)).div_(block_m, rounding_mode="floor")
-    offsets = F.pad(torch.stack([rows_per_expert_E, tiles_E]).cumsum(1, dtype=torch.int32), (1, 0))
-    return offsets[0], offsets[1]
-
-
 def _weight_view(w_E: torch.Tensor, transpose: bool) -> tuple[int, int, int, int, int]:
     """(Kd, N, stride_be, stride_bk, stride_bn) for B[e] = w[e] (transpose=False) or w[e]^T."""
     _, rows, cols = w_E.shape
@@ -439,7 +407,7 @@ def _weight_view(w_E: torch.Tensor, transpose: bool) -> tuple[int, int, int, int
 def grouped_gemm(
     a: torch.Tensor,
     w_E: torch.Tensor,
-    offsets: tuple[torch.Tensor, torch.Tensor],
+    schedule: RowTiles,
     num_rows: int,
     *,
     transpose_w: bool,
@@ -460,7 +428,6 @@ def grouped_gemm(
 
     Returns ``C`` (PLAIN, DUAL), ``(h, a1, a3)`` (SWIGLU_FWD) or ``(d_a1, d_a3)`` (SWIGLU_BWD).
     """
-    expert_offsets, tile_offs = offsets
     num_experts = w_E.shape[0]
     tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
@@ -483,7 +450,8 @@ def grouped_gemm(
     aux1, aux3 = aux if aux is not None else (c, c)
     upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
-    dummy = expert_offsets
+    schedule.check(tiles.block_m, num_rows, "grouped_gemm")
+    dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
     if a_desc or b_desc:
@@ -496,13 +464,13 @@ def grouped_gemm(
         c, c2,
         dummy if c_row is None else c_row,
         aux1, aux3,
-        expert_offsets, tile_offs,
+        schedule.tile_offsets, schedule.table,
         N, Kd, num_experts, a.shape[0],
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w,
-        NUM_PROGRAMS=programs, LOG2_E=max(1, (num_experts - 1).bit_length() + 1),
+        NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -176,7 +176,7 @@ class _MegakernelExperts(torch.autograd.Function):
         dt1, dt2, dt3 = ctx.dtypes
         land_index = (a_row.long() + rows.landing_row).to(torch.int32)
         grad_w2 = grouped_wgrad(
-            peers.local("land"), h, rows.expert_offsets, E_local, tiles=tiles.wgrad, out_dtype=dt2,
+            peers.local("land"), h, rows.schedule.expert_offsets, E_local, tiles=tiles.wgrad, out_dtype=dt2,
             a_row=land_index, a_scale=None if before else scale,
         )
         grad_x = gemm_combine(
@@ -193,7 +193,7 @@ class _MegakernelExperts(torch.autograd.Function):
         else:
             _, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, scores_TK, K, write_rows=False)
         grad_w1, grad_w3 = grouped_wgrad(
-            d_a1, x_rows_RD, rows.expert_offsets, E_local, tiles=tiles.wgrad_up, out_dtype=dt1,
+            d_a1, x_rows_RD, rows.schedule.expert_offsets, E_local, tiles=tiles.wgrad_up, out_dtype=dt1,
             b_scale=scale if before else None, a2=d_a3,
         )
         return grad_x, grad_scores, grad_w1, grad_w2, grad_w3.to(dt3), None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from uniep.kernels.grouped_gemm import tile_offsets
+from uniep.kernels.row_tiles import RowTiles, row_tiles
 from uniep.plan import algorithm1_rows, device_ints, exclusive_cumsum
 
 
@@ -148,10 +148,8 @@ class OwnerRows:
 
     rows_per_expert: torch.Tensor
     """(local_ranks * El,) int64 on the device."""
-    expert_offsets: torch.Tensor
-    """(local_ranks * El + 1,) int32."""
-    tile_offsets: torch.Tensor
-    """(local_ranks * El + 1,) int32 row tiles of ``block_m`` rows."""
+    schedule: RowTiles
+    """The row tiles of ``block_m`` rows of the launch's local_ranks * El experts."""
     rows_per_owner: list[int]
     """(W,) rows of every rank (all owners, not only this launch's)."""
     landing_row: torch.Tensor
@@ -170,12 +168,12 @@ def owner_rows(count_table_WE: torch.Tensor, rows_per_owner: list[int], rank0: i
     W, E = count_table_WE.shape
     El = E // W
     mine = count_table_WE.sum(0)[rank0 * El : (rank0 + local_ranks) * El]
-    expert_offsets, tiles = tile_offsets(mine, block_m)
     local = rows_per_owner[rank0 : rank0 + local_ranks]
+    schedule = row_tiles(mine, block_m, sum(local))
     landing_row = torch.repeat_interleave(
         torch.arange(local_ranks, device=mine.device) * landing_rows,
         device_ints(local, mine.device), output_size=sum(local),
     )
-    return OwnerRows(mine, expert_offsets, tiles, rows_per_owner, landing_row, El)
+    return OwnerRows(mine, schedule, rows_per_owner, landing_row, El)
 
 
