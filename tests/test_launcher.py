@@ -24,7 +24,9 @@ def test_a_failed_rank_is_named():
 
 
 def test_a_hung_rank_is_named_and_killed():
+    # 20 s: a spawned rank imports torch and this module before it can return, which took
+    # more than 5 s on a loaded 2-core machine
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"ranks still running after 5 s \(killed\): \[1\]"):
-        spawn_ranks(_rank_one_hangs, 2, timeout=5)
-    assert time.monotonic() - start < 60
+    with pytest.raises(AssertionError, match=r"ranks still running after 20 s \(killed\): \[1\]"):
+        spawn_ranks(_rank_one_hangs, 2, timeout=20)
+    assert time.monotonic() - start < 80
