@@ -7,8 +7,8 @@ Expert ``e`` owns rows ``[expert_offsets[e], expert_offsets[e+1])`` and row tile
 ``[tile_offsets[e], tile_offsets[e+1])``; row tiles never cross experts. ``table[m]`` is
 (expert, first row, the expert's end row) of row tile ``m``, so a GEMM program finds
 its tile with one load instead of a search over ``tile_offsets`` (a chain of dependent
-loads per tile, which ncu showed the GEMMs stalling on), and can load its next tile's
-entry while it computes the current one. Everything is computed on the device in one
+loads at the start of every tile), and can load its next tile's entry while it
+computes the current one. Everything is computed on the device in one
 launch: no host sync.
 """
 
