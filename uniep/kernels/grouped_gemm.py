@@ -437,6 +437,7 @@ def grouped_gemm(
         raise ValueError("grouped_gemm: the second weight must have the first one's shape and strides")
     if a2 is not None and (a2.shape != a.shape or a2.stride() != a.stride()):
         raise ValueError("grouped_gemm: A2 must have A's shape and strides (the kernel reads both with A's)")
+    schedule.check(tiles.block_m, num_rows, "grouped_gemm")
     rows_c = num_rows if out_rows is None else out_rows
     if out is not None and (mode in (SWIGLU_FWD, SWIGLU_BWD) or out.shape != (rows_c, N) or not out.is_contiguous()):
         raise ValueError(f"grouped_gemm: out must be a contiguous ({rows_c}, {N}) tensor, for PLAIN or DUAL; "
@@ -450,7 +451,6 @@ def grouped_gemm(
     aux1, aux3 = aux if aux is not None else (c, c)
     upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles)
-    schedule.check(tiles.block_m, num_rows, "grouped_gemm")
     dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
