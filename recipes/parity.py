@@ -18,7 +18,8 @@ last window's difference and the difference of the whole-run means.
 
 The noise band is measured, not guessed: the same three statistics between the
 baseline and each extra baseline (the baseline trained again with a change that
-changes no math: non-deterministic kernels, another thread count or layout). The
+changes rounding, not math: non-deterministic kernels, another thread count or
+layout, the initial weights one ulp away). The
 candidate passes when each statistic is at most ``k`` times the largest the extra
 baselines show (default 2: a single noise run underestimates the spread), or at most
 the floor (default 1e-4 of the baseline's mean loss; deterministic runs can be bitwise,

@@ -9,7 +9,8 @@ For each mode (TorchTitan's default kernels, or ``--debug.deterministic``) it tr
 
     titan         the baseline: TorchTitan's own MoE (``loss_parity.py run``'s baseline)
     titan_noise1  the baseline's noise runs (``loss_parity.py run``'s: non-deterministic
-    ...           kernels, twice the CPU threads, two microbatches): the band
+    ...           kernels, twice the CPU threads, two microbatches, the initial weights
+                  one ulp away, a different sample each): the band
     titan_again   the baseline again, as given: TorchTitan against itself
     uniep         the config as given
     wrong         UniEP with every router score scaled by 0.98 (``tests/wrong_variant.py``)
@@ -58,7 +59,8 @@ def run_args(config: dict, overrides: list[str], mode: str, steps: int,
     if mode == "deterministic":
         common.append("--debug.deterministic")
     base = [*common, *baseline_args(config, "torchtitan")]
-    return {"titan": (base, {}), **dict.fromkeys(noise_runs(noise), (noise_args(config, base), noise_env())),
+    noise_plan = {name: (noise_args(config, base, i), noise_env()) for i, name in enumerate(noise_runs(noise), start=1)}
+    return {"titan": (base, {}), **noise_plan,
             "titan_again": (base, {}), "uniep": (common, {}), "wrong": ([*common, *WRONG_VARIANT], {})}
 
 

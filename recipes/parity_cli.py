@@ -9,11 +9,13 @@
 
 ``run`` trains, one after the other with ``scripts/run_train.sh`` on the same seed and
 data: the candidate (the config as given), the baseline and ``--noise-runs`` more runs
-of the baseline (default 1) with a change that changes no math (non-deterministic
-kernels, twice the CPU threads, and each batch as two gradient-accumulation
-microbatches, ``recipes.train --microbatches 2``, where the local batch size is even:
-on a GPU in float32 the first two alone can leave a run bit for bit the same, a band
-of 0), which measure the noise band. ``--baseline
+of the baseline (default 1) with changes of rounding, not math, which measure the
+noise band: non-deterministic kernels, twice the CPU threads, each batch as two
+gradient-accumulation microbatches (``recipes.train --microbatches 2``, where the local
+batch size is even: on a GPU in float32 the first two alone can leave a run bit for
+bit the same, a band of 0), and every initial weight one ulp away, noise run ``i``
+with ``recipes.train --perturb-weights i`` (``recipes.perturb``: without it, noise
+runs on a CPU were copies of one run and too close to the baseline). ``--baseline
 torchtitan`` (default) swaps the UniEP model for TorchTitan's own MoE (``uniep_qwen3`` ->
 ``titan_qwen3``; on a machine without GPUs at expert-parallel degree 1, since
 TorchTitan's EP needs a Triton GPU kernel); ``--baseline uniep`` runs the config again
@@ -139,24 +141,24 @@ def _run_all(args, overrides: list[str]) -> tuple[list[Path], list[str], Path]:
     names = _names(args.names, defaults)
     out = Path(args.out or f"outputs/parity/{Path(args.config).stem}-vs-{args.baseline}")
     folders = [out / _folder(n) for n in names]
-    noise = noise_args(config, base)
     train(names[0], args.config, folders[0], cand)
     train(names[1], args.config, folders[1], base)
-    for name, folder in zip(names[2:], folders[2:]):
-        train(name, args.config, folder, noise, env=noise_env())
+    for number, (name, folder) in enumerate(zip(names[2:], folders[2:]), start=1):
+        train(name, args.config, folder, noise_args(config, base, number), env=noise_env())
     return folders, names, out
 
 
-def noise_args(config: dict, base: list[str]) -> list[str]:
-    """The baseline's arguments for a noise run: non-deterministic kernels and, where the
-    local batch splits in two, two gradient-accumulation microbatches per step."""
-    noise = [a for a in base if a != "--debug.deterministic"]
+def noise_args(config: dict, base: list[str], number: int) -> list[str]:
+    """The baseline's arguments for noise run ``number`` (1, 2, ...): non-deterministic
+    kernels, the initial weights one ulp away (a different sample for each number) and,
+    where the local batch splits in two, two gradient-accumulation microbatches per step."""
+    noise = [*(a for a in base if a != "--debug.deterministic"), "--perturb-weights", str(number)]
     local = int(job_setting(config, base, "training", "local_batch_size", 8))  # TorchTitan's default
     if local % 2 == 0:
         return [*noise, "--microbatches", "2"]
-    print(f"[parity] noise runs: training.local_batch_size = {local} does not split into two microbatches; "
-          "they change only the kernels' determinism and the CPU threads (on a GPU that can change nothing: "
-          "a band of 0)", flush=True)
+    if number == 1:
+        print(f"[parity] noise runs: training.local_batch_size = {local} does not split into two microbatches; "
+              "they change the kernels' determinism, the CPU threads and the initial weights' last bits", flush=True)
     return noise
 
 

@@ -5,7 +5,10 @@ it takes ``--resume`` (continue from an existing checkpoint folder) and
 ``--overwrite-checkpoints`` (delete it first); without either, an existing checkpoint
 folder stops the run before it starts. ``--microbatches N`` splits each rank's batch
 into N gradient-accumulation steps (the same step in exact arithmetic, other rounding:
-the parity tool's noise runs). ``--check-only`` runs the checks alone, in one
+the parity tool's noise runs). ``--perturb-weights N`` moves every initial weight one
+unit in the last place, up or down by a hash of its bits and ``N`` (``recipes.perturb``:
+the noise runs' perturbation of a run's rounding), after any seed checkpoint is loaded
+and never on a resumed run. ``--check-only`` runs the checks alone, in one
 process, and exits (0, or 2 with the error): ``scripts/run_train.sh`` calls it before
 torchrun starts, so a bad config gives one message, not one per rank.
 """
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite-checkpoints", action="store_true")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--perturb-weights", type=int, default=0)
     ours, titan_args = parser.parse_known_args(argv)
 
     apply_cpu_shims()
@@ -53,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
         preflight.check_job(job_config, get_train_spec(job_config.model.name), world_size)
         if ours.microbatches != 1:
             preflight.split_into_microbatches(job_config, ours.microbatches, world_size)
+        if ours.perturb_weights < 0:
+            raise ValueError(f"--perturb-weights = {ours.perturb_weights} must be >= 1 (the noise run's number), "
+                             "or 0 for none")
         warning = preflight.check_checkpoint_folder(
             job_config, resume=ours.resume, overwrite=ours.overwrite_checkpoints, is_rank0=rank0,
         )
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = None
     try:
         trainer = Trainer(job_config)
+        if ours.perturb_weights:
+            perturb_after_load(trainer, ours.perturb_weights, logger)
         trainer.train()
         # TorchTitan's rank 0 sleeps after the last step while the others go on to tear
         # down the process group; gloo then aborted a rank in CI. Leave together.
@@ -85,6 +94,25 @@ def main(argv: list[str] | None = None) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     logger.info("Process group destroyed")
+
+
+def perturb_after_load(trainer, seed: int, logger) -> None:
+    """Perturb the weights right after ``trainer.train()`` loads its checkpoint (a seed
+    checkpoint's weights, or none), unless that load resumed a run."""
+    from recipes.perturb import perturb_model_
+
+    load = trainer.checkpointer.load
+
+    def load_then_perturb(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        if trainer.step == 0:
+            moved = perturb_model_(trainer.model_parts, seed)
+            logger.info(f"--perturb-weights {seed}: {moved} weights on this rank moved one ulp")
+        else:
+            logger.warning(f"--perturb-weights {seed}: resumed at step {trainer.step}; weights left as loaded")
+        return loaded
+
+    trainer.checkpointer.load = load_then_perturb
 
 
 if __name__ == "__main__":

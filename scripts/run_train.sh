@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train with a TOML config under torchrun, on the GPUs of this node or on the CPU.
 #
-#   scripts/run_train.sh CONFIG.toml [--section.key value ...] [--resume | --overwrite-checkpoints] [--microbatches N]
+#   scripts/run_train.sh CONFIG.toml [--section.key value ...] [--resume | --overwrite-checkpoints] [--microbatches N] [--perturb-weights N]
 #
 # NPROC   processes (default: number of GPUs, or 2 on a machine without GPUs)
 # Overrides use TorchTitan's --section.key value form, e.g. --training.steps 50.

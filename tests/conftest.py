@@ -52,24 +52,29 @@ def deepseek_runs(tmp_path_factory):
     - torchtitan: TorchTitan's own MoE (EP = 1: its EP needs a GPU kernel);
     - perturbed_lr: UniEP with twice the learning rate (a planted difference), and
       ``[uniep] config = "auto"`` (on CPU it resolves the schedule without using it);
-    - torchtitan_noise: the TorchTitan run again on twice the CPU threads, each batch
-      as two gradient-accumulation microbatches (changes of no math: the parity tool's
-      noise run);
+    - torchtitan_noise1, torchtitan_noise2: the parity tool's two noise runs of the
+      TorchTitan run (``loss_parity.py run --noise-runs 2``: twice the CPU threads, each
+      batch as two gradient-accumulation microbatches, the initial weights one ulp away,
+      a different sample each; changes of rounding, not math);
     - wrong_scores: UniEP with every router score scaled by 0.98 (``tests.wrong_variant``).
     """
-    from tests.training import run_train
+    from recipes.parity_cli import noise_args, tomllib
+    from tests.training import ROOT, run_train
 
     root = tmp_path_factory.mktemp("deepseek_runs")
     config = "deepseek_v3_debug.toml"
     checkpointing = ["--checkpoint.enable", "--checkpoint.interval", "10"]
-    runs = {name: root / name for name in ("uniep", "resumed", "torchtitan", "perturbed_lr", "torchtitan_noise",
-                                           "wrong_scores")}
+    noise = ("torchtitan_noise1", "torchtitan_noise2")
+    runs = {name: root / name for name in ("uniep", "resumed", "torchtitan", "perturbed_lr", *noise, "wrong_scores")}
     run_train(config, runs["uniep"], *checkpointing)
     run_train(config, runs["resumed"], *checkpointing, "--training.steps", "10", "--lr_scheduler.total_steps", "20")
     run_train(config, runs["resumed"], *checkpointing, "--resume")
     titan = ("--model.name", "titan_deepseek_v3", "--parallelism.expert_parallel_degree", "1")
     run_train(config, runs["torchtitan"], *titan)
     run_train(config, runs["perturbed_lr"], "--optimizer.lr", "1.6e-3", "--uniep.config", "auto")
-    run_train(config, runs["torchtitan_noise"], *titan, "--microbatches", "2", threads=2)
+    with open(ROOT / "train_configs" / config, "rb") as f:
+        toml = tomllib.load(f)
+    for number, name in enumerate(noise, start=1):
+        run_train(config, runs[name], *noise_args(toml, list(titan), number), threads=2)
     run_train(config, runs["wrong_scores"], "--experimental.custom_import", "tests.wrong_variant")
     return runs

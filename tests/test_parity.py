@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes.parity import LogError, Method, Run, compare, read_run, write_reports
 
@@ -125,17 +126,62 @@ def test_run_labels_come_from_what_ran():
     assert label(config, ["--model.name", "titan_qwen3", "--parallelism.expert_parallel_degree=1"]) == "titan_qwen3[ep1]"
 
 
-def test_noise_runs_split_each_batch_where_it_splits(capsys):
-    """A noise run changes rounding, not math: non-deterministic kernels and two
+def test_noise_runs_split_each_batch_and_perturb_the_weights(capsys):
+    """A noise run changes rounding, not math: non-deterministic kernels, two
     gradient-accumulation microbatches (on a GPU in float32 the kernels alone changed
-    no bit of TorchTitan's run, so the band was 0). An odd batch cannot split: said."""
+    no bit of TorchTitan's run, so the band was 0), and the initial weights one ulp away,
+    a different sample per noise run. An odd batch cannot split: said once."""
     from recipes.parity_cli import noise_args
 
     base = ["--debug.deterministic", "--model.name", "titan_qwen3"]
-    assert noise_args({"training": {"local_batch_size": 4}}, base) == ["--model.name", "titan_qwen3", "--microbatches", "2"]
+    assert noise_args({"training": {"local_batch_size": 4}}, base, 2) == [
+        "--model.name", "titan_qwen3", "--perturb-weights", "2", "--microbatches", "2"]
     odd = [*base, "--training.local_batch_size", "1"]
-    assert noise_args({"training": {"local_batch_size": 4}}, odd) == odd[1:]
-    assert "does not split into two microbatches" in capsys.readouterr().out
+    assert noise_args({"training": {"local_batch_size": 4}}, odd, 1) == [*odd[1:], "--perturb-weights", "1"]
+    assert noise_args({"training": {"local_batch_size": 4}}, odd, 2) == [*odd[1:], "--perturb-weights", "2"]
+    assert capsys.readouterr().out.count("does not split into two microbatches") == 1
+
+
+def ulps_moved(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """+1 / -1 where ``after`` is the next float above / below ``before``, else 0."""
+    inf = torch.tensor(float("inf"), dtype=before.dtype)
+    return (after == torch.nextafter(before, inf)).int() - (after == torch.nextafter(before, -inf)).int()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_perturbed_weights_move_one_ulp_each_way_alike_for_equal_values(dtype):
+    from recipes.perturb import perturb_
+
+    weights = torch.randn(4096).to(dtype)
+    weights[:8] = 0.0
+    moved = weights.clone()
+    perturb_(moved, 1)
+    direction = ulps_moved(weights, moved)
+    assert (direction != 0).all()  # every element, exactly one ulp
+    assert 0.4 < (direction > 0).float().mean() < 0.6  # up and down alike, no bias
+    # the direction depends on the value alone: a replica, or a shard laid out in
+    # another order, moves the same way
+    order = torch.randperm(4096)
+    shuffled = weights[order].clone()
+    perturb_(shuffled, 1)
+    assert torch.equal(shuffled, moved[order])
+    # another noise run is another sample
+    other = weights.clone()
+    perturb_(other, 2)
+    assert 0.3 < (ulps_moved(weights, other) != direction).float().mean() < 0.7
+
+
+def test_perturbing_a_model_moves_every_parameter_and_refuses_bad_input():
+    from recipes.perturb import perturb_, perturb_model_
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert perturb_model_([model], 3) == sum(p.numel() for p in before)
+    assert all((ulps_moved(b, p.detach()) != 0).all() for b, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="--perturb-weights = 0 must be >= 1"):
+        perturb_(torch.zeros(2), 0)
+    with pytest.raises(ValueError, match="dtype torch.float64 are not supported"):
+        perturb_(torch.zeros(2, dtype=torch.float64), 1)
 
 
 def test_reports_are_written(tmp_path):
@@ -196,10 +242,13 @@ def test_resumed_run_is_bitwise_equal_to_the_uninterrupted_one(deepseek_runs, tm
 
 @pytest.mark.slow
 def test_uniep_matches_torchtitan_within_noise(deepseek_runs, tmp_path):
-    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["torchtitan"]), str(deepseek_runs["torchtitan_noise"]),
-                        "--out", str(tmp_path))
+    result = parity_cli(str(deepseek_runs["uniep"]), str(deepseek_runs["torchtitan"]), str(deepseek_runs["torchtitan_noise1"]),
+                        str(deepseek_runs["torchtitan_noise2"]), "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[parity] verdict: within noise" in result.stdout
+    for number in (1, 2):  # each noise run is its own sample
+        log = (deepseek_runs[f"torchtitan_noise{number}"] / "output.log").read_text()
+        assert f"--perturb-weights {number}: " in log and "weights on this rank moved one ulp" in log
     assert (tmp_path / "parity.png").is_file() and (tmp_path / "parity.json").is_file()
     assert "[parity] throughput uniep / torchtitan: " in result.stdout  # both runs logged it
 
@@ -208,7 +257,7 @@ def test_uniep_matches_torchtitan_within_noise(deepseek_runs, tmp_path):
 @pytest.mark.parametrize("wrong", ["wrong_scores", "perturbed_lr"])
 def test_a_wrong_variant_drifts(deepseek_runs, tmp_path, wrong):
     """Negative controls: router scores scaled by 0.98, and twice the learning rate."""
-    result = parity_cli(str(deepseek_runs[wrong]), str(deepseek_runs["torchtitan"]), str(deepseek_runs["torchtitan_noise"]),
-                        "--out", str(tmp_path))
+    result = parity_cli(str(deepseek_runs[wrong]), str(deepseek_runs["torchtitan"]), str(deepseek_runs["torchtitan_noise1"]),
+                        str(deepseek_runs["torchtitan_noise2"]), "--out", str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[parity] verdict: drift: windowed mean loss differs beyond noise" in result.stdout

@@ -247,6 +247,11 @@ def test_microbatches_must_divide_the_local_batch(train, n):
                         f"--microbatches = {n} must be >= 1 and divide training.local_batch_size = 2")
 
 
+def test_perturb_weights_takes_a_noise_run_number(train):
+    assert_stopped_with(train("--check-only", "--perturb-weights", "-1"),
+                        "--perturb-weights = -1 must be >= 1 (the noise run's number), or 0 for none")
+
+
 def test_two_microbatches_keep_the_samples_per_step():
     """Two gradient-accumulation steps of half the batch: the same global batch (2 per
     rank x 2 data-parallel ranks), and the same when it was given."""
