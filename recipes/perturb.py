@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 _INT_OF = {4: torch.int32, 2: torch.int16}
+_CHUNK = 1 << 24
 
 
 def perturb_(tensor: torch.Tensor, seed: int) -> None:
@@ -54,6 +55,9 @@ def perturb_model_(model_parts: list[torch.nn.Module], seed: int) -> int:
         for param in part.parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
             if local.is_floating_point() and local.numel():
-                perturb_(local, seed)
+                # in chunks: the hash's int64 temporaries of a whole expert tensor
+                # would cost several times its size
+                for chunk in local.view(-1).split(_CHUNK) if local.is_contiguous() else [local]:
+                    perturb_(chunk, seed)
                 moved += local.numel()
     return moved

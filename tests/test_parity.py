@@ -171,13 +171,19 @@ def test_perturbed_weights_move_one_ulp_each_way_alike_for_equal_values(dtype):
     assert 0.3 < (ulps_moved(weights, other) != direction).float().mean() < 0.7
 
 
-def test_perturbing_a_model_moves_every_parameter_and_refuses_bad_input():
+def test_perturbing_a_model_moves_every_parameter_and_refuses_bad_input(monkeypatch):
+    from recipes import perturb
     from recipes.perturb import perturb_, perturb_model_
 
+    monkeypatch.setattr(perturb, "_CHUNK", 5)  # chunks that do not divide the tensors
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     before = [p.detach().clone() for p in model.parameters()]
     assert perturb_model_([model], 3) == sum(p.numel() for p in before)
-    assert all((ulps_moved(b, p.detach()) != 0).all() for b, p in zip(before, model.parameters()))
+    for b, p in zip(before, model.parameters()):
+        whole = b.clone()
+        perturb_(whole, 3)
+        assert torch.equal(p.detach(), whole)  # chunked as in one piece
+        assert (ulps_moved(b, p.detach()) != 0).all()
     with pytest.raises(ValueError, match="--perturb-weights = 0 must be >= 1"):
         perturb_(torch.zeros(2), 0)
     with pytest.raises(ValueError, match="dtype torch.float64 are not supported"):
