@@ -24,14 +24,17 @@ def assert_trains(log, steps):
 
 
 def test_qwen3_moe_debug_trains_with_ep2_and_repeats_bitwise(tmp_path):
-    run_train("qwen3_moe_debug.toml", tmp_path / "first")
+    """10 of the config's 20 steps (its LR schedule kept; a step takes about 7 s on a
+    2-core machine), and the loss still falls: 7.36 to 6.23 between the halves here."""
+    schedule = ["--lr_scheduler.total_steps", "20"]
+    run_train("qwen3_moe_debug.toml", tmp_path / "first", "--training.steps", "10", *schedule)
     first = read_loss_log(tmp_path / "first")
-    assert_trains(first, 20)
-    # a second run (its first 8 steps, same LR schedule) gives the same bits
-    run_train("qwen3_moe_debug.toml", tmp_path / "second", "--training.steps", "8", "--lr_scheduler.total_steps", "20")
+    assert_trains(first, 10)
+    # a second run (its first 4 steps, same LR schedule) gives the same bits
+    run_train("qwen3_moe_debug.toml", tmp_path / "second", "--training.steps", "4", *schedule)
     second = read_loss_log(tmp_path / "second")
-    assert losses(second, range(1, 9)) == losses(first, range(1, 9))
-    assert [second[s]["grad_norm"] for s in range(1, 9)] == [first[s]["grad_norm"] for s in range(1, 9)]
+    assert losses(second, range(1, 5)) == losses(first, range(1, 5))
+    assert [second[s]["grad_norm"] for s in range(1, 5)] == [first[s]["grad_norm"] for s in range(1, 5)]
 
 
 def test_deepseek_v3_debug_trains_with_ep2(deepseek_runs):
