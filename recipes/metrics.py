@@ -7,7 +7,7 @@ throughput numbers of the step: ``tps`` (tokens per second per device), ``mfu`` 
 GPUs only), and the expert load of each MoE layer since the last log line
 (``moe_max_over_mean``, ``moe_idle_fraction``: lists in layer order, see
 ``recipes.moe_load``; also sent to TorchTitan's TensorBoard/wandb loggers as
-``moe/<layer>/...``). Rank 0 writes it; a resumed run appends (see ``start_loss_log``).
+``moe/<layer>/...``). Rank 0 writes it; a resumed run appends (``recipes.loss_log``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from recipes.loss_log import LOSS_LOG
 from recipes.moe_load import ExpertLoad
-
-LOSS_LOG = "loss_log.jsonl"
 
 
 def _as_float(value) -> float:
@@ -96,36 +95,3 @@ class LossLogMetricsProcessor(MetricsProcessor):
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
     return LossLogMetricsProcessor(job_config, parallel_dims, tag)
-
-
-def start_loss_log(dump_folder: str | Path, resume_from: int | None) -> str | None:
-    """Before training (rank 0): a new run moves an earlier run's log aside (to
-    ``loss_log.jsonl.N``, never deleted) and starts a fresh one; a resumed run appends a
-    ``{"resume_from_step": N}`` line, after which the steps past N count anew. Returns
-    what was done, for the log."""
-    path = Path(dump_folder) / LOSS_LOG
-    if resume_from is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({"resume_from_step": resume_from}) + "\n")
-        return None
-    if not path.exists():
-        return None
-    n = 1
-    while path.with_name(f"{LOSS_LOG}.{n}").exists():
-        n += 1
-    path.rename(path.with_name(f"{LOSS_LOG}.{n}"))
-    return f"an earlier run's {path} was moved to {path.name}.{n} (this run starts a new loss log)"
-
-
-def read_loss_log(dump_folder: str | Path) -> dict[int, dict]:
-    """step -> record. A ``resume_from_step`` line drops the steps after it logged so far
-    (an interrupted run's steps past its last checkpoint); later records of a step win."""
-    records = {}
-    for line in (Path(dump_folder) / LOSS_LOG).read_text().splitlines():
-        record = json.loads(line)
-        if "resume_from_step" in record:
-            records = {s: r for s, r in records.items() if s <= record["resume_from_step"]}
-            continue
-        records[record["step"]] = record
-    return records

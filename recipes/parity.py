@@ -1,6 +1,6 @@
 """Loss parity: does a candidate run train the same model as a baseline run?
 
-A run is read from its ``loss_log.jsonl`` (``recipes.metrics``). The verdict is one of:
+A run is read from its ``loss_log.jsonl`` (``recipes.loss_log``). The verdict is one of:
 
 - ``bitwise``: every common step has exactly the same loss and grad norm (two runs of
   one deterministic UniEP config, a resumed run, the megakernel against all_to_all).
@@ -49,7 +49,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recipes.metrics import LOSS_LOG, read_loss_log
+from recipes.loss_log import LOSS_LOG, read_loss_log
 
 VERDICTS = ("bitwise", "within noise", "drift")
 STATISTICS = ("max window", "last window", "run mean")

@@ -43,7 +43,6 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from recipes.models import BASELINE_OF
 from recipes.parity import LogError, Method, compare_folders, fmt, write_reports
 from recipes.preflight import job_setting
 
@@ -73,6 +72,8 @@ def train(name: str, config: str, dump_folder: Path, args: list[str], env: dict[
 
 def label(config: dict, overrides: list[str]) -> str:
     """What ran: model name, and for UniEP models the transport, and the EP degree."""
+    from recipes.models import BASELINE_OF  # TorchTitan: imported only where runs are trained
+
     model = job_setting(config, overrides, "model", "name", "?")
     ep = job_setting(config, overrides, "parallelism", "expert_parallel_degree", 1)
     if model in BASELINE_OF:
@@ -83,6 +84,8 @@ def label(config: dict, overrides: list[str]) -> str:
 def baseline_args(config: dict, baseline: str) -> list[str]:
     if baseline == "uniep":
         return []
+    from recipes.models import BASELINE_OF
+
     model_name = config.get("model", {}).get("name")
     if model_name not in BASELINE_OF:
         raise ValueError(f"--baseline torchtitan: model.name = {model_name!r}; allowed: {', '.join(BASELINE_OF)}")

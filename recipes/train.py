@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.train import Trainer
 
     from recipes import preflight
-    from recipes.metrics import start_loss_log
+    from recipes.loss_log import start_loss_log
     from recipes.models import register_all
 
     init_logger()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from recipes.metrics import LOSS_LOG, read_loss_log, start_loss_log
+from recipes.loss_log import LOSS_LOG, read_loss_log, start_loss_log
 from uniep import UniEPMoE
 
 ROOT = Path(__file__).resolve().parents[1]

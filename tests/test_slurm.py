@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.metrics import read_loss_log
+from recipes.loss_log import read_loss_log
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

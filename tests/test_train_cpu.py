@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from recipes.metrics import read_loss_log
+from recipes.loss_log import read_loss_log
 from tests.training import run_train
 
 pytestmark = pytest.mark.slow
