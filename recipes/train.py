@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.train import Trainer
 
     from recipes import preflight
+    from recipes.error_file import write_error_files_whole
     from recipes.loss_log import start_loss_log
     from recipes.models import register_all
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    write_error_files_whole()  # a peer's failure must reach torchrun's summary (recipes.error_file)
     trainer = None
     try:
         trainer = Trainer(job_config)

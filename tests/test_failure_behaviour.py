@@ -89,6 +89,48 @@ def test_a_resumed_log_records_where_and_drops_steps_past_the_checkpoint(tmp_pat
     assert sorted(read_loss_log(tmp_path)) == [1, 2, 3, 4, 5]
 
 
+# the error file torchrun reads --------------------------------------------------------
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "torch_elastic_as_is"])
+def test_an_error_report_cut_short_leaves_no_file_that_breaks_torchrun(tmp_path, monkeypatch, whole):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    from recipes.error_file import write_error_files_whole
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setattr(ErrorHandler, "record_exception", ErrorHandler.record_exception)  # undone after
+    if whole:
+        write_error_files_whole()
+
+    def report(failure: BaseException) -> None:
+        try:
+            raise failure
+        except RuntimeError as e:
+            ErrorHandler().record_exception(e)
+
+    dump = json.dump
+
+    def sigterm_mid_write(*args, **kwargs):  # torchrun's agent stops the rank between open and dump
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", sigterm_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        report(RuntimeError("Connection closed by peer"))
+    failure = lambda: ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))  # noqa: E731
+    if not whole:  # the negative control: the empty file torchrun's agent died on in CI
+        assert path.read_text() == ""
+        with pytest.raises(json.JSONDecodeError):
+            failure()
+        return
+    assert not path.exists() and "Signal 15 (SIGTERM)" in failure().message
+    monkeypatch.setattr(json, "dump", dump)
+    report(RuntimeError("Connection closed by peer"))  # not cut short: the whole report arrives
+    assert failure().message["message"] == "RuntimeError: Connection closed by peer"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
 # faults in real trainings (torchrun, 2 CPU processes) ---------------------------------
 
 def launch(dump, *args, log_name="out.log"):

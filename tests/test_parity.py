@@ -171,6 +171,20 @@ def test_perturbed_weights_move_one_ulp_each_way_alike_for_equal_values(dtype):
     assert 0.3 < (ulps_moved(weights, other) != direction).float().mean() < 0.7
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_perturbed_weights_move_alike_on_gpu_and_cpu(dtype):
+    """The GPU main job's noise runs perturb CUDA parameters: each moves as its CPU copy
+    does (the CPU test above pins the CPU's moves)."""
+    from recipes.perturb import perturb_
+
+    weights = torch.randn(1 << 20).to(dtype)
+    on_cpu, on_gpu = weights.clone(), weights.cuda()
+    perturb_(on_cpu, 5)
+    perturb_(on_gpu, 5)
+    assert torch.equal(on_gpu.cpu(), on_cpu) and (ulps_moved(weights, on_cpu) != 0).all()
+
+
 def test_perturbing_a_model_moves_every_parameter_and_refuses_bad_input(monkeypatch):
     from recipes import perturb
     from recipes.perturb import perturb_, perturb_model_
