@@ -3,8 +3,11 @@
 Each is applied only when no CUDA device is present, and each answers one gap:
 
 1. TorchTitan picks its device as "cuda" when no accelerator is found; we point the
-   modules that cached that choice at "cpu" and at a small stand-in for ``torch.cuda``
-   (memory statistics report zero).
+   modules that cached that choice at "cpu" and at a small stand-in for ``torch.cuda``.
+   Its memory statistics are the process's peak resident set (Linux's ``VmHWM``, reset
+   where TorchTitan resets its peaks) against the machine's physical memory, so the
+   ``memory:`` of each step's line is this rank's real peak, not an allocator's (and
+   not the ``-0.00GiB(-100.00%)`` that empty statistics print).
 2. ``torch.histc`` has no CPU kernel for integer tensors; TorchTitan's router calls it on
    expert indices. We count in fp32 and cast back (exact for counts below 2**24).
 3. gloo has no PREMUL_SUM reduce-scatter, which FSDP2 uses to pre-scale gradients; the
@@ -19,11 +22,29 @@ Each is applied only when no CUDA device is present, and each answers one gap:
 from __future__ import annotations
 
 import importlib
+import os
 import types
 
 import torch
 
 _applied = False
+
+
+_STATUS, _CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
+
+
+def _peak_resident_bytes() -> int | None:
+    """This process's peak resident set since start or the last reset (None off Linux)."""
+    try:
+        with open(_STATUS) as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
+
+
+def _physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class _CPUDeviceModule(types.SimpleNamespace):
@@ -39,11 +60,12 @@ class _CPUDeviceModule(types.SimpleNamespace):
 
     @staticmethod
     def get_device_properties(device=None):
-        return types.SimpleNamespace(total_memory=1, name="cpu")
+        return types.SimpleNamespace(total_memory=_physical_memory_bytes(), name="cpu")
 
     @staticmethod
     def memory_stats(device=None) -> dict:
-        return {}
+        peak = _peak_resident_bytes()
+        return {} if peak is None else {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
 
     @staticmethod
     def set_device(device) -> None:
@@ -55,7 +77,11 @@ class _CPUDeviceModule(types.SimpleNamespace):
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
-        pass
+        try:
+            with open(_CLEAR_REFS, "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+        except OSError:
+            pass  # not Linux, or not allowed here: the peak then counts from the start
 
     @staticmethod
     def empty_cache() -> None:

@@ -52,8 +52,9 @@ class LossLogMetricsProcessor(MetricsProcessor):
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.loss_log = Path(job_config.job.dump_folder) / LOSS_LOG if rank0 else None
         self.logger = _KeepLast(self.logger)
-        # MFU, TFLOP/s and memory are measured against a GPU's peak and allocator: on
-        # the CPU TorchTitan's numbers for them mean nothing, so they are not kept.
+        # MFU, TFLOP/s and reserved memory are a GPU's peak and allocator's: on the CPU
+        # the first two mean nothing and the memory is the process's resident set
+        # (recipes.cpu), another quantity, so only the throughput is kept.
         self.kept = THROUGHPUT if torch.cuda.is_available() else {"tps": THROUGHPUT["tps"]}
         self.expert_load = ExpertLoad()
 

@@ -20,7 +20,7 @@ def uniep_cache_dir(tmp_path_factory):
 # The library's tests run without TorchTitan installed; these test the recipes (they
 # import TorchTitan) and are then left out.
 RECIPE_TESTS = [
-    "test_bench_scripts.py", "test_failure_behaviour.py", "test_models.py", "test_moe_load.py",
+    "test_bench_scripts.py", "test_cpu_shims.py", "test_failure_behaviour.py", "test_models.py", "test_moe_load.py",
     "test_moe_parity.py", "test_parity.py", "test_preflight.py", "test_slurm.py", "test_train_cpu.py",
 ]
 if importlib.util.find_spec("torchtitan") is None:
