@@ -16,24 +16,29 @@ whole report or none (then it reports the rank's exit signal, as for a killed ra
 
 from __future__ import annotations
 
-import json
 import os
-import time
-import traceback
 
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+_record_exception = ErrorHandler.record_exception  # torch elastic's own writer (its format)
+
+
+class _ToPath(ErrorHandler):
+    """torch elastic's handler, writing to a path of our choice."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def _get_error_file_path(self) -> str:
+        return self.path
 
 
 def _record_exception_whole(self: ErrorHandler, e: BaseException) -> None:
     path = self._get_error_file_path()
     if not path:
-        return
-    # the same fields as torch elastic's own record (what its agent reads back)
-    data = {"message": {"message": f"{type(e).__name__}: {e}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+        return _record_exception(self, e)
     partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "w") as f:
-        json.dump(data, f)
+    _record_exception(_ToPath(partial), e)
     os.replace(partial, path)
 
 
@@ -41,4 +46,3 @@ def write_error_files_whole() -> None:
     """Patch ``ErrorHandler.record_exception`` (class-wide, so the handlers that
     ``@record`` captured at TorchTitan's import are covered too). Idempotent."""
     ErrorHandler.record_exception = _record_exception_whole
-
