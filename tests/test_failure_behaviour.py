@@ -104,11 +104,14 @@ def test_an_error_report_cut_short_leaves_no_file_that_breaks_torchrun(tmp_path,
     if whole:
         write_error_files_whole()
 
-    def report(failure: BaseException) -> None:
+    def report() -> None:  # a surviving rank's training raises on the broken collective
         try:
-            raise failure
+            raise RuntimeError("Connection closed by peer")
         except RuntimeError as e:
             ErrorHandler().record_exception(e)
+
+    def read_by_agent() -> ProcessFailure:  # what torchrun's agent does with the file
+        return ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))
 
     dump = json.dump
 
@@ -117,17 +120,16 @@ def test_an_error_report_cut_short_leaves_no_file_that_breaks_torchrun(tmp_path,
 
     monkeypatch.setattr(json, "dump", sigterm_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        report(RuntimeError("Connection closed by peer"))
-    failure = lambda: ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))  # noqa: E731
+        report()
     if not whole:  # the negative control: the empty file torchrun's agent died on in CI
         assert path.read_text() == ""
         with pytest.raises(json.JSONDecodeError):
-            failure()
+            read_by_agent()
         return
-    assert not path.exists() and "Signal 15 (SIGTERM)" in failure().message
+    assert not path.exists() and "Signal 15 (SIGTERM)" in read_by_agent().message
     monkeypatch.setattr(json, "dump", dump)
-    report(RuntimeError("Connection closed by peer"))  # not cut short: the whole report arrives
-    assert failure().message["message"] == "RuntimeError: Connection closed by peer"
+    report()  # not cut short: the whole report arrives
+    assert read_by_agent().message["message"] == "RuntimeError: Connection closed by peer"
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
 
 

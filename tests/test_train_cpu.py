@@ -40,7 +40,7 @@ def test_qwen3_moe_debug_trains_with_ep2_and_repeats_bitwise(tmp_path):
 
 def test_deepseek_v3_debug_trains_with_ep2(deepseek_runs):
     assert_trains(read_loss_log(deepseek_runs["uniep"]), 20)
-    # each step's line gives rank 0's peak resident memory (recipes.cpu), not -0.00GiB(-100.00%)
+    # each rank's step lines give its peak resident memory (recipes.cpu), not -0.00GiB(-100.00%)
     peaks = [float(gib) for gib in re.findall(r"step: *\d+ .* memory: *(-?[\d.]+)GiB", (deepseek_runs["uniep"] / "output.log").read_text())]
     assert len(peaks) >= 20 and all(0.1 < gib < 24 for gib in peaks), peaks
 
