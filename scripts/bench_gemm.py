@@ -44,6 +44,7 @@ from uniep.kernels.grouped_gemm import (  # noqa: E402
     grouped_gemm,
     grouped_gemm_reference,
 )
+from uniep.kernels.launch import compiled_kernels  # noqa: E402
 from uniep.kernels.row_tiles import row_tiles  # noqa: E402
 from uniep.kernels.swiglu import swiglu_backward_  # noqa: E402
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
@@ -80,11 +81,20 @@ VARIANTS = {
     # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
     "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),
     "wgrad_bm64_w4_bk32_s4": dict(wgrad_block_m=64, wgrad_num_warps=4, wgrad_block_k=32, wgrad_num_stages=4),
+    # row GEMMs on 64-row tiles of one warpgroup (4 warps), as many programs per SM as fit
+    # (``grouped_gemm.programs_per_sm``): one program's epilogue runs beside another's
+    # reduction loop, and the experts' last row tiles are padded less
+    "gemm_bm64_w4": dict(gemm_block_m=64, gemm_num_warps=4),  # one per SM (3 stages of 64x256)
+    "half_tiles": dict(gemm_half_tiles=True),
+    "gemm_bm64_w4_s2": dict(gemm_block_m=64, gemm_num_warps=4, gemm_num_stages=2),  # two per SM
+    "gemm_bm64_w4_bk32_s4": dict(gemm_block_m=64, gemm_num_warps=4, gemm_block_k=32, gemm_num_stages=4),  # two
+    "gemm_bm64_w4_bn128_up64": dict(gemm_block_m=64, gemm_num_warps=4, gemm_block_n=128, gemm_up_block_n=64),  # three
+    "gemm_bm64_s2": dict(gemm_block_m=64, gemm_num_stages=2),  # 8 warps, two per SM
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "swiglu_bwd_fused", "gather_in_kernel"}
+                  "num_programs", "descriptor_loads", "gemm_half_tiles", "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -206,6 +216,7 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
     rows, timed = [], []
     for variant in names:
         knobs = VARIANTS[variant]
+        known = set(compiled_kernels())
         fns = launches(p, knobs)
         bitwise = set(knobs) <= SCHEDULE_KNOBS
         for name, fn in fns.items():
@@ -230,6 +241,9 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
             else:
                 print(f"{shape} {variant} {name}: differs from the default; not timed", flush=True)
             rows.append(row)
+        for key, resources in compiled_kernels().items():
+            if key not in known:
+                print(f"{shape} {variant}: compiled {resources}", flush=True)
     # Every launch of every variant once per round, in turns, the order reversed every
     # other round: a GPU runs the first launches timed in a call slower (seen: 10%), and
     # the median over the rounds keeps that from one variant's column.

@@ -61,6 +61,9 @@ class UniEPConfig:
     """Reduction step (16..256, power of 2). May change bits."""
     gemm_num_warps: int = 8
     """Warps per program (1, 2, 4, 8, 16). Does not change bits."""
+    gemm_half_tiles: bool = False
+    """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
+    half the rows (the forward and input-gradient GEMMs). Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster

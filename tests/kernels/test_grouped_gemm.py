@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.kernels.routing import make_routing
-from uniep.kernels.grouped_gemm import PLAIN, GemmTiles, grouped_gemm, grouped_gemm_reference
+from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, GemmTiles, grouped_gemm, grouped_gemm_reference
 from uniep.kernels.row_tiles import row_tiles
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference
 
@@ -142,6 +142,36 @@ def test_descriptor_loads_give_the_bits_of_pointer_loads(kind, dtype):
     pointers = _all_launches(x, w1, w2, w3, grad_y, counts, K, TILES)
     descriptors = _all_launches(x, w1, w2, w3, grad_y, counts, K, dataclasses.replace(TILES, descriptors=True))
     assert [torch.equal(a, b) for a, b in zip(pointers, descriptors)] == [True] * len(pointers)
+
+
+@pytest.mark.parametrize("descriptors", [False, True])
+def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
+    """Experts whose last row tile holds at most half a tile's rows (1, 5, 15 of 32),
+    one exactly full, one just over half, one empty: every launch the same bits with the
+    half-size dots as without, and the gate/up pre-activations those of fp32 PyTorch."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.tensor([5, 32, 0, 33, 17, 47])  # last tiles of 5, 32, -, 1, 17, 15 rows
+    E, K, D, H = counts.numel(), 2, 24, 40
+    P = int(counts.sum())
+    x = torch.randn(P // K, D, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen)
+    grad_y = torch.randn(P, D, generator=gen)
+    full = dataclasses.replace(TILES, block_m=32, descriptors=descriptors)
+    half = dataclasses.replace(full, half_tiles=True)
+    assert half.half_tiles and not full.half_tiles
+    full_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, full)
+    half_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, half)
+    assert [torch.equal(a, b) for a, b in zip(full_runs, half_runs)] == [True] * len(full_runs)
+    # the launch with no scale or gather: gate/up's a1 against fp32 (a wrong half tile,
+    # e.g. rows of the next expert, would differ here too)
+    off = row_tiles(counts, 32, P)
+    rows = torch.randn(P, D, generator=gen)
+    _, a1, _ = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=half, mode=SWIGLU_FWD, w2_E=w3)
+    torch.testing.assert_close(a1, grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_descriptors_only_where_the_copy_engine_can_read():

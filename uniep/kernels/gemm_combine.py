@@ -38,6 +38,7 @@ from uniep.kernels.grouped_gemm import (
     _tile_accumulate,
     _weight_view,
     dot_precision,
+    programs_per_sm,
 )
 from uniep.kernels.launch import cdiv, launcher
 from uniep.kernels.row_tiles import tile_coords
@@ -168,7 +169,8 @@ def gemm_combine(
     K = sends.rows.shape[1]
     combine_src, combine_t0 = sends.combine_tasks(tokens_per_task)
     upper_tiles = (cdiv(R, tiles.block_m) + w_E.shape[0]) * cdiv(N, tiles.block_n)
-    programs = _num_programs(tiles, a.device, upper_tiles + combine_src.numel())
+    programs = _num_programs(tiles, a.device, upper_tiles + combine_src.numel(),
+                             programs_per_sm(tiles, a.element_size(), a.device))
     launcher(_gemm_combine_kernel)[(programs,)](
         counter, error,
         a, a if a2 is None else a2, w_E, w_E if w2_E is None else w2_E, origin,

@@ -88,10 +88,14 @@ class GemmTiles:
     num_warps: int = 8
     num_stages: int = 3
     num_programs: int | None = None
-    """Persistent programs; None: one per SM (``2 * SMs`` for small tiles)."""
+    """Persistent programs; None: as many per SM as fit (``programs_per_sm``)."""
     descriptors: bool = False
     """Load contiguous operands (the weights; A where it is not gathered) through tensor
     descriptors (TMA on Hopper) instead of pointers; the bits are the same."""
+    half_tiles: bool = False
+    """Row GEMMs: an expert's last row tile with at most ``block_m / 2`` rows runs a dot of
+    half the rows (the row tiles stay ``block_m``; not below 32, where the half would be
+    under the 16 rows a GPU dot needs); the bits are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -164,7 +168,7 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads)
+                         programs, c.descriptor_loads, c.gemm_half_tiles)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
@@ -285,6 +289,35 @@ def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_b
 
 
 @triton.jit
+def _row_tile(
+    e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
+    aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
+    a_desc, a2_desc, b_desc, b2_desc,
+    MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
+    rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
+    if HAS_A_ROW:
+        a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    if HAS_C_ROW:
+        c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    else:
+        c_rows = rows.to(tl.int64)
+    scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_A_SCALE, other=0.0)
+    acc, acc3 = _tile_accumulate(
+        e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
+        Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
+    )
+    _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
+                c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a2_ptr,  # (rows_a, Kd): input rows
     a_row_ptr,  # (R,) int32 or int64: row of A for each plan row (HAS_A_ROW)
@@ -299,7 +332,7 @@ def _grouped_gemm_kernel(
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, HALF_TILES: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -308,12 +341,19 @@ def _grouped_gemm_kernel(
     # cost more host time than small launches take on the device; benchmarks/RESULTS.md).
     a_desc = a_ptr
     a2_desc = a2_ptr
+    a_half_desc = a_ptr
+    a2_half_desc = a2_ptr
     b_desc = b_ptr
     b2_desc = b2_ptr
-    if A_DESC:  # blocks (BLOCK_M, BLOCK_K)
+    if A_DESC:  # blocks (BLOCK_M, BLOCK_K), and (BLOCK_M / 2, BLOCK_K) for the half tiles
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if HALF_TILES:
+            a_half_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M // 2, BLOCK_K])
         if MODE == _DUAL:
             a2_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
+            if HALF_TILES:
+                a2_half_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1],
+                                                         [BLOCK_M // 2, BLOCK_K])
     if B_DESC:
         b_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                     BLOCK_N, BLOCK_K)
@@ -329,35 +369,49 @@ def _grouped_gemm_kernel(
         next_tile = tile + NUM_PROGRAMS
         next_e, next_row0, next_row_end = row_block(table_ptr, next_tile // n_tiles, next_tile < total_tiles)
         n0 = (tile % n_tiles) * BLOCK_N
-        rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
-        if HAS_A_ROW:
-            a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+        if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
+            # An expert's last tile with at most half its rows: the dot on half as many
+            # rows (each row's dot product is the same, so are its bits).
+            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                      stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, MODE, HAS_A_ROW, HAS_A_SCALE,
+                      HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
-            a_rows = rows.to(tl.int64)
-        if HAS_C_ROW:
-            c_rows = tl.load(c_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
-        else:
-            c_rows = rows.to(tl.int64)
-        scale = tl.load(a_scale_ptr + rows, mask=mask_m & HAS_A_SCALE, other=0.0)
-        acc, acc3 = _tile_accumulate(
-            e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
-            Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-            DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
-        )
-        _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
-                    c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, MODE, HAS_A_ROW, HAS_A_SCALE,
+                      HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         e, row0, row_end = next_e, next_row0, next_row_end
 
 
-def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int | None = None) -> int:
+def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, a_tiles: int = 1, b_tiles: int = 1,
+                    accumulators: int = 1) -> int:
+    """As many programs per SM as fit, up to 3: their pipeline stages in shared memory and
+    their registers in the 64K-register file (per thread the fp32 ``accumulators`` and
+    about as many again: on an H200, 128x256 tiles with 8 warps took 230-244 registers,
+    128x128 ones 114-125, two 128x128 accumulators 181-223, and a SwiGLU-backward
+    epilogue at 128x128, which holds a1 and a3 beside its accumulator, 195). While one
+    program runs its epilogue, the others' loads and dots keep the SM busy."""
+    threads = 32 * tiles.num_warps
+    regs = min(255, max(64, 2 * accumulators * tiles.block_m * tiles.block_n // threads))
+    smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes,
+                               a_tiles, b_tiles)
+    return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
+
+
+def accumulators_of(mode: int) -> int:
+    """fp32 tiles a GEMM of ``mode`` holds per program (``programs_per_sm``): two in the
+    gate/up launch; the SwiGLU backward's a1 and a3 count as two more."""
+    return {SWIGLU_FWD: 2, SWIGLU_BWD: 3}.get(mode, 1)
+
+
+def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int) -> int:
     """Persistent programs of a launch of at most ``upper_tiles`` tiles: ``tiles.num_programs``
-    if set, else ``per_sm`` per SM (default: 1, or 2 for tiles under 128x128)."""
+    if set, else ``per_sm`` per SM (``programs_per_sm``)."""
     if tiles.num_programs is not None:
         return max(1, min(tiles.num_programs, upper_tiles))
     if device.type != "cuda":
         return max(1, min(4, upper_tiles))
-    if per_sm is None:
-        per_sm = 1 if tiles.block_m * tiles.block_n >= 128 * 128 else 2
     return max(1, min(sm_count(device) * per_sm, upper_tiles))
 
 
@@ -450,7 +504,10 @@ def grouped_gemm(
         aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
     aux1, aux3 = aux if aux is not None else (c, c)
     upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
-    programs = _num_programs(tiles, a.device, upper_tiles)
+    b_tiles = 2 if mode == SWIGLU_FWD else 1
+    programs = _num_programs(tiles, a.device, upper_tiles,
+                             programs_per_sm(tiles, a.element_size(), a.device, b_tiles=b_tiles,
+                                             accumulators=accumulators_of(mode)))
     dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
@@ -469,7 +526,7 @@ def grouped_gemm(
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
-        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w,
+        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),

@@ -98,6 +98,24 @@ class CachedLaunch:
         return kernel
 
 
+def compiled_kernels() -> dict[tuple, str]:
+    """Each compiled kernel the direct launches hold, by key, as a line: its name, tile
+    constants, warps, stages, registers and spills per thread, shared memory (what
+    decides how many programs fit an SM). Empty where launches go through the JIT."""
+    lines = {}
+    for cached in _LAUNCHERS.values():
+        for key, kernel in cached._compiled.items():
+            meta = kernel.metadata
+            constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
+            names = getattr(cached.fn, "arg_names", [])
+            tiles = {(names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k): v
+                     for k, v in constants.items()}
+            tiles = ",".join(f"{k}={v}" for k, v in tiles.items() if str(k).startswith(("BLOCK", "MODE")))
+            lines[(cached.fn, key)] = (f"{meta.name} [{tiles}] warps {meta.num_warps} stages {meta.num_stages} "
+                                       f"registers {kernel.n_regs} spills {kernel.n_spills} shared {meta.shared}")
+    return lines
+
+
 def _device_and_stream() -> tuple[int, int]:
     """The current device and its current stream, as the JIT launches on them."""
     device = driver.active.get_current_device()

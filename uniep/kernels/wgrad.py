@@ -27,8 +27,7 @@ from uniep.kernels.grouped_gemm import (
     GemmTiles,
     _num_programs,
     dot_precision,
-    shared_memory_bytes,
-    smem_limit,
+    programs_per_sm,
     tma_readable,
     use_descriptor_scratch,
 )
@@ -192,18 +191,6 @@ def grouped_wgrad(
     c2 = torch.empty_like(c)
     _launch(b, b_row, b_scale, stacked(a, a2), a_row, a_scale, c, c2, expert_offsets, num_experts, tiles, halves=2)
     return c, c2
-
-
-def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device) -> int:
-    """As many programs per SM as fit, up to 3: their pipeline stages in shared memory and
-    their registers in the 64K-register file (per thread the fp32 accumulator and about
-    as many again; 128x128 tiles with 8 warps took 120-125 registers on an H200). A tile
-    sums one expert's rows only (at 4096 tokens and 128 experts, 256 of them), so its
-    epilogue is a large share of its time, and the other programs' loads and dots fill it."""
-    threads = 32 * tiles.num_warps
-    regs = min(255, max(64, 2 * tiles.block_m * tiles.block_n // threads))
-    smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes)
-    return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
 
 
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
