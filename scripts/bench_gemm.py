@@ -78,7 +78,7 @@ VARIANTS = {
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),
     "swiglu_bwd_fused_p264": dict(swiglu_bwd_fused=True, num_programs=264),
     "swiglu_bwd_fused_up_bn64": dict(swiglu_bwd_fused=True, gemm_up_block_n=64),
-    # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``wgrad.programs_per_sm``)
+    # 64x128 weight-gradient tiles with 4 warps: three programs per SM (``grouped_gemm.programs_per_sm``)
     "wgrad_bm64_w4": dict(wgrad_block_m=64, wgrad_num_warps=4),
     "wgrad_bm64_w4_bk32_s4": dict(wgrad_block_m=64, wgrad_num_warps=4, wgrad_block_k=32, wgrad_num_stages=4),
     # row GEMMs on 64-row tiles of one warpgroup (4 warps), as many programs per SM as fit

@@ -73,7 +73,7 @@ class UniEPConfig:
     """Weight-gradient tile rows (16..256, power of 2). May change bits."""
     wgrad_block_n: int = 128
     """Weight-gradient tile columns (16..256, power of 2). 128 (with 8 warps and 3
-    stages) leaves room for two programs per SM (``kernels.wgrad.programs_per_sm``).
+    stages) leaves room for two programs per SM (``kernels.grouped_gemm.programs_per_sm``).
     May change bits."""
     wgrad_block_k: int = 64
     """Token rows summed per step of the weight gradient (16..256, power of 2). May change bits."""
@@ -98,8 +98,8 @@ class UniEPConfig:
     an error naming the rank, stage and flag (a peer that never signals; about 10 s
     on an H200). At least 1."""
     num_programs: int = 0
-    """Persistent programs per kernel launch; 0: one per SM (two for small tiles; for
-    the weight gradients as many as fit an SM, up to 3). Does not change bits."""
+    """Persistent programs per kernel launch; 0: as many per SM as fit its registers and
+    shared memory, up to 3 (``kernels.grouped_gemm.programs_per_sm``). Does not change bits."""
     descriptor_loads: bool = True
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead
