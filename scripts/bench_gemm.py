@@ -85,11 +85,12 @@ VARIANTS = {
     # (``grouped_gemm.programs_per_sm``): one program's epilogue runs beside another's
     # reduction loop, and the experts' last row tiles are padded less
     "gemm_bm64_w4": dict(gemm_block_m=64, gemm_num_warps=4),  # one per SM (3 stages of 64x256)
-    "half_tiles": dict(gemm_half_tiles=True),
     "gemm_bm64_w4_s2": dict(gemm_block_m=64, gemm_num_warps=4, gemm_num_stages=2),  # two per SM
     "gemm_bm64_w4_bk32_s4": dict(gemm_block_m=64, gemm_num_warps=4, gemm_block_k=32, gemm_num_stages=4),  # two
     "gemm_bm64_w4_bn128_up64": dict(gemm_block_m=64, gemm_num_warps=4, gemm_block_n=128, gemm_up_block_n=64),  # three
     "gemm_bm64_s2": dict(gemm_block_m=64, gemm_num_stages=2),  # 8 warps, two per SM
+    # an expert's last row tile of at most half its rows on a half-size dot (the same bits)
+    "half_tiles": dict(gemm_half_tiles=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)

@@ -44,7 +44,6 @@ from uniep.kernels.grouped_gemm import (
     _tile_accumulate,
     _tile_store,
     _weight_view,
-    accumulators_of,
     dot_precision,
     pair_buffer,
     programs_per_sm,
@@ -196,9 +195,8 @@ def dispatch_gemm(
     c, c2 = pair_buffer(x_TD, R, N) if mode == SWIGLU_BWD else (x_TD.new_empty(R, N),) * 2
     n_push = cdiv(sends.capacity, sends_per_task)  # upper bound, for the grid
     upper_tiles = (cdiv(R, tiles.block_m) + w_E.shape[0]) * cdiv(N, tiles.block_n)
-    per_sm = programs_per_sm(tiles, x_TD.element_size(), x_TD.device, b_tiles=2 if mode == SWIGLU_FWD else 1,
-                             accumulators=accumulators_of(mode))
-    programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles, per_sm)
+    programs = _num_programs(tiles, x_TD.device, n_push + upper_tiles,
+                             programs_per_sm(tiles, x_TD.element_size(), x_TD.device, mode))
     D = x_TD.shape[1]
     K = sends.rows.shape[1]
     push_meta = mode == SWIGLU_FWD

@@ -384,25 +384,20 @@ def _grouped_gemm_kernel(
         e, row0, row_end = next_e, next_row0, next_row_end
 
 
-def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, a_tiles: int = 1, b_tiles: int = 1,
-                    accumulators: int = 1) -> int:
+def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mode: int = PLAIN) -> int:
     """As many programs per SM as fit, up to 3: their pipeline stages in shared memory and
-    their registers in the 64K-register file (per thread the fp32 ``accumulators`` and
-    about as many again: on an H200, 128x256 tiles with 8 warps took 230-244 registers,
+    their registers in the 64K-register file (per thread the fp32 accumulators, two in
+    SWIGLU_FWD, and about as many again; a SWIGLU_BWD epilogue's a1 and a3 count as two
+    more accumulators). On an H200, 128x256 tiles with 8 warps took 230-244 registers,
     128x128 ones 114-125, two 128x128 accumulators 181-223, and a SwiGLU-backward
-    epilogue at 128x128, which holds a1 and a3 beside its accumulator, 195). While one
-    program runs its epilogue, the others' loads and dots keep the SM busy."""
+    epilogue at 128x128 195. While one program runs its epilogue, the others' loads and
+    dots keep the SM busy. ``mode`` PLAIN also stands for DUAL and the weight gradients."""
+    accumulators = {SWIGLU_FWD: 2, SWIGLU_BWD: 3}.get(mode, 1)
     threads = 32 * tiles.num_warps
     regs = min(255, max(64, 2 * accumulators * tiles.block_m * tiles.block_n // threads))
     smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes,
-                               a_tiles, b_tiles)
+                               b_tiles=2 if mode == SWIGLU_FWD else 1)
     return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
-
-
-def accumulators_of(mode: int) -> int:
-    """fp32 tiles a GEMM of ``mode`` holds per program (``programs_per_sm``): two in the
-    gate/up launch; the SwiGLU backward's a1 and a3 count as two more."""
-    return {SWIGLU_FWD: 2, SWIGLU_BWD: 3}.get(mode, 1)
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int) -> int:
@@ -504,10 +499,7 @@ def grouped_gemm(
         aux = (a.new_empty(num_rows, N), a.new_empty(num_rows, N))
     aux1, aux3 = aux if aux is not None else (c, c)
     upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
-    b_tiles = 2 if mode == SWIGLU_FWD else 1
-    programs = _num_programs(tiles, a.device, upper_tiles,
-                             programs_per_sm(tiles, a.element_size(), a.device, b_tiles=b_tiles,
-                                             accumulators=accumulators_of(mode)))
+    programs = _num_programs(tiles, a.device, upper_tiles, programs_per_sm(tiles, a.element_size(), a.device, mode))
     dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)

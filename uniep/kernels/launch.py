@@ -108,9 +108,9 @@ def compiled_kernels() -> dict[tuple, str]:
             meta = kernel.metadata
             constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
             names = getattr(cached.fn, "arg_names", [])
-            tiles = {(names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k): v
+            named = {(names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k): v
                      for k, v in constants.items()}
-            tiles = ",".join(f"{k}={v}" for k, v in tiles.items() if str(k).startswith(("BLOCK", "MODE")))
+            tiles = ",".join(f"{k}={v}" for k, v in named.items() if str(k).startswith(("BLOCK", "MODE")))
             lines[(cached.fn, key)] = (f"{meta.name} [{tiles}] warps {meta.num_warps} stages {meta.num_stages} "
                                        f"registers {kernel.n_regs} spills {kernel.n_spills} shared {meta.shared}")
     return lines
