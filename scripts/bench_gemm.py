@@ -91,11 +91,15 @@ VARIANTS = {
     "gemm_bm64_s2": dict(gemm_block_m=64, gemm_num_stages=2),  # 8 warps, two per SM
     # an expert's last row tile of at most half its rows on a half-size dot (the same bits)
     "half_tiles": dict(gemm_half_tiles=True),
+    # full row tiles of the plan-order outputs stored through descriptors (the same bits)
+    "store_descriptors": dict(descriptor_stores=True),
+    "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "gemm_half_tiles", "swiglu_bwd_fused", "gather_in_kernel"}
+                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
+                  "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:

@@ -51,7 +51,7 @@ def test_unknown_uniep_key(train, tmp_path):
     config = edited_config(tmp_path, 'transport = "all_to_all"', 'transport = "all_to_all"\nmegakernels = true')
     assert_stopped_with(
         train(config=config),
-        "unknown key uniep.megakernels = True; allowed keys in [uniep]: backend, config, descriptor_loads, gemm_block_k,",
+        "unknown key uniep.megakernels = True; allowed keys in [uniep]: backend, config, descriptor_loads, descriptor_stores,",
     )
 
 

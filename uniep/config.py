@@ -104,6 +104,10 @@ class UniEPConfig:
     """Grouped GEMMs read their contiguous operands (expert weights; token rows that are
     not gathered) through tensor descriptors, the copy engine (TMA) on Hopper, instead
     of pointer loads. Does not change bits."""
+    descriptor_stores: bool = False
+    """The forward and input-gradient GEMMs whose outputs stay in plan order (gate/up,
+    the down input gradient) store their full row tiles through tensor descriptors
+    (TMA on Hopper) instead of pointer stores. Does not change bits."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -104,6 +104,8 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(descriptor_loads=False),
         dict(gemm_num_stages=4, wgrad_num_stages=2),
         dict(gemm_num_warps=4, wgrad_num_warps=4),
+        dict(gemm_half_tiles=not UniEPConfig().gemm_half_tiles),
+        dict(descriptor_stores=not UniEPConfig().descriptor_stores),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

@@ -174,6 +174,40 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("half_tiles", [False, True])
+def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
+    """Full row tiles stored through descriptors, partial ones (an expert's last) through
+    pointers: every launch the same bits as pointer stores, the plain-order GEMM too, and
+    none of an expert's partial tile written past its rows (a next expert's rows, or the
+    rows after the last expert, keep what the pointer stores wrote)."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.tensor([16, 5, 0, 33, 32, 8])  # full, partial, empty, full + 1, full x 2, partial
+    E, K, D, H = counts.numel(), 2, 24, 40
+    P = int(counts.sum())
+    x = torch.randn(P // K, D, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen)
+    grad_y = torch.randn(P, D, generator=gen)
+    pointer = dataclasses.replace(TILES, descriptors=True, half_tiles=half_tiles)
+    stores = dataclasses.replace(pointer, store_descriptors=True)
+    off = row_tiles(counts, TILES.block_m, P)
+
+    def launches(tiles):
+        plain_order = torch.full((P + 3, H), 7.0)  # rows past the plan's must stay 7
+        grouped_gemm(grad_y, w2, off, P, transpose_w=False, tiles=tiles, mode=PLAIN, out_rows=P + 3,
+                     out=plain_order)
+        return (*_all_launches(x, w1, w2, w3, grad_y, counts, K, tiles), plain_order)
+
+    by_pointer, by_descriptor = launches(pointer), launches(stores)
+    assert [torch.equal(a, b) for a, b in zip(by_pointer, by_descriptor)] == [True] * len(by_pointer)
+    assert torch.equal(by_descriptor[-1][P:], torch.full((3, H), 7.0))
+    torch.testing.assert_close(by_descriptor[-1][:P], grouped_gemm_reference(grad_y, w2, counts.tolist(),
+                                                                             transpose_w=False),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_descriptors_only_where_the_copy_engine_can_read():
     from uniep.kernels.grouped_gemm import tma_readable
 

@@ -49,12 +49,15 @@ _SWIGLU_FWD, _SWIGLU_BWD, _DUAL = tl.constexpr(SWIGLU_FWD), tl.constexpr(SWIGLU_
 H200_SMEM_PER_BLOCK = 232448
 
 
-def shared_memory_bytes(block_m, block_n, block_k, num_stages, elem_bytes, a_tiles=1, b_tiles=1):
+def shared_memory_bytes(block_m, block_n, block_k, num_stages, elem_bytes, a_tiles=1, b_tiles=1, c_tiles=0):
     """Shared memory of a pipelined tile loop: ``num_stages`` copies of its ``a_tiles``
-    (block_m x block_k) and ``b_tiles`` (block_k x block_n) operand tiles. (Triton's own
-    count for the gate/up GEMM, fp32, 128x128x64, 4 stages: 393216 bytes; so is this.)
+    (block_m x block_k) and ``b_tiles`` (block_k x block_n) operand tiles, and ``c_tiles``
+    output tiles staged for descriptor stores (one: Triton reuses it for each store).
+    (Triton's own count for the gate/up GEMM, fp32, 128x128x64, 4 stages: 393216 bytes;
+    so is this; with descriptor stores, bf16, 3 stages: 147456 + 32768 against 180280.)
     Works elementwise on numpy arrays (the tuner's feasibility filter)."""
-    return num_stages * (a_tiles * block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
+    return (num_stages * (a_tiles * block_m * block_k + b_tiles * block_k * block_n)
+            + c_tiles * block_m * block_n) * elem_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,6 +99,13 @@ class GemmTiles:
     """Row GEMMs: an expert's last row tile with at most ``block_m / 2`` rows runs a dot of
     half the rows (the row tiles stay ``block_m``; not below 32, where the half would be
     under the 16 rows a GPU dot needs); the bits are the same."""
+    store_descriptors: bool = False
+    """Row GEMMs whose outputs are not scattered: full row tiles are stored through
+    tensor descriptors (the copy engine, TMA on Hopper), an expert's last partial tile
+    through masked pointer stores (a descriptor would write into the next expert's
+    rows); the bits are the same. Their staging tile counts in the shared-memory fit and
+    ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
+    depends on the tiles only."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
@@ -117,7 +127,8 @@ def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles
     tiles = given
 
     def fits(t: GemmTiles) -> bool:
-        return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles) <= limit
+        return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles,
+                                   int(t.store_descriptors)) <= limit
 
     while not fits(tiles) and tiles.num_stages > 2:
         tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
@@ -168,7 +179,7 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
@@ -246,11 +257,27 @@ def _tile_accumulate(
 
 
 @triton.jit
+def _store(ptr, offs, mask, value, desc, row0, n0, full, C_DESC: tl.constexpr):
+    """``value`` to ``ptr + offs`` where ``mask``; a full row tile through ``desc`` at
+    (row0, n0) when ``C_DESC`` (the copy engine clips the columns past N)."""
+    if C_DESC:
+        if full:
+            desc.store([row0, n0], value)
+        else:
+            tl.store(ptr + offs, value, mask=mask)
+    else:
+        tl.store(ptr + offs, value, mask=mask)
+
+
+@triton.jit
 def _tile_store(
     acc, acc3, rows, mask_m, cols, mask_n, c_rows,
     c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE: tl.constexpr,
+    c_desc=None, c2_desc=None, aux1_desc=None, aux3_desc=None, row0=0, n0=0, full=False,
+    C_DESC: tl.constexpr = False,
 ):
-    """Epilogue of one tile: C rows ``c_rows`` (and the SwiGLU side outputs at ``rows``)."""
+    """Epilogue of one tile: C rows ``c_rows`` (and the SwiGLU side outputs at ``rows``);
+    with ``C_DESC`` (C in plan order) a ``full`` tile goes through the descriptors."""
     mask_c = mask_m[:, None] & mask_n[None, :]
     c_offs = c_rows[:, None] * stride_cm + cols[None, :]
     aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
@@ -260,20 +287,20 @@ def _tile_store(
         # SwiGLU ops would, so forward and backward see the same a1, a3.
         a1 = acc.to(out_ty)
         a3 = acc3.to(out_ty)
-        tl.store(aux1_ptr + aux_offs, a1, mask=mask_c)
-        tl.store(aux3_ptr + aux_offs, a3, mask=mask_c)
+        _store(aux1_ptr, aux_offs, mask_c, a1, aux1_desc, row0, n0, full, C_DESC)
+        _store(aux3_ptr, aux_offs, mask_c, a3, aux3_desc, row0, n0, full, C_DESC)
         h = swiglu_forward_math(a1, a3)
-        tl.store(c_ptr + c_offs, h.to(out_ty), mask=mask_c)
+        _store(c_ptr, c_offs, mask_c, h.to(out_ty), c_desc, row0, n0, full, C_DESC)
     elif MODE == _SWIGLU_BWD:
         # The gradient of h rounded to the storage dtype first, as the separate GEMM and
         # SwiGLU backward (``uniep.kernels.swiglu``) compute it: the same bits either way.
         d_a1, d_a3 = swiglu_backward_math(acc.to(out_ty).to(tl.float32),
                                           tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0),
                                           tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0))
-        tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
-        tl.store(c2_ptr + c_offs, d_a3.to(out_ty), mask=mask_c)
+        _store(c_ptr, c_offs, mask_c, d_a1.to(out_ty), c_desc, row0, n0, full, C_DESC)
+        _store(c2_ptr, c_offs, mask_c, d_a3.to(out_ty), c2_desc, row0, n0, full, C_DESC)
     else:
-        tl.store(c_ptr + c_offs, acc.to(out_ty), mask=mask_c)
+        _store(c_ptr, c_offs, mask_c, acc.to(out_ty), c_desc, row0, n0, full, C_DESC)
 
 
 @triton.jit
@@ -292,9 +319,9 @@ def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_b
 def _row_tile(
     e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
     aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
-    a_desc, a2_desc, b_desc, b2_desc,
+    a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
@@ -314,7 +341,8 @@ def _row_tile(
         DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
     )
     _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
-                c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE)
+                c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE,
+                c_desc, c2_desc, aux1_desc, aux3_desc, row0, n0, row_end - row0 == BLOCK_M, C_DESC)
 
 
 @triton.jit
@@ -328,12 +356,12 @@ def _grouped_gemm_kernel(
     aux1_ptr, aux3_ptr,  # (R, N): SwiGLU pre-activations (written in SWIGLU_FWD, read in SWIGLU_BWD)
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
     table_ptr,  # (T, 3) int32: expert, first row, end row of each row tile (``row_tiles``)
-    N, Kd, num_experts, rows_a,
+    N, Kd, num_experts, rows_a, rows_c, rows_aux,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, HALF_TILES: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
+    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -360,6 +388,17 @@ def _grouped_gemm_kernel(
         if MODE == _SWIGLU_FWD or MODE == _DUAL:
             b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                          BLOCK_N, BLOCK_K)
+    c_desc = c_ptr
+    c2_desc = c2_ptr
+    aux1_desc = aux1_ptr
+    aux3_desc = aux3_ptr
+    if C_DESC:  # the outputs in plan order, blocks of a full tile
+        c_desc = tl.make_tensor_descriptor(c_ptr, [rows_c, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+        if MODE == _SWIGLU_BWD:
+            c2_desc = tl.make_tensor_descriptor(c2_ptr, [rows_c, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+        if MODE == _SWIGLU_FWD:
+            aux1_desc = tl.make_tensor_descriptor(aux1_ptr, [rows_aux, N], [stride_auxm, 1], [BLOCK_M, BLOCK_N])
+            aux3_desc = tl.make_tensor_descriptor(aux3_ptr, [rows_aux, N], [stride_auxm, 1], [BLOCK_M, BLOCK_N])
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
     # Each tile's row block is loaded one tile ahead, so its latency hides under the
@@ -371,16 +410,18 @@ def _grouped_gemm_kernel(
         n0 = (tile % n_tiles) * BLOCK_N
         if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
             # An expert's last tile with at most half its rows: the dot on half as many
-            # rows (each row's dot product is the same, so are its bits).
+            # rows (each row's dot product is the same, so are its bits), stored through pointers.
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, MODE, HAS_A_ROW, HAS_A_SCALE,
-                      HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                      stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
+                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, MODE, HAS_A_ROW, HAS_A_SCALE,
-                      HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
+                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         e, row0, row_end = next_e, next_row0, next_row_end
 
 
@@ -396,7 +437,7 @@ def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mod
     threads = 32 * tiles.num_warps
     regs = min(255, max(64, 2 * accumulators * tiles.block_m * tiles.block_n // threads))
     smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes,
-                               b_tiles=2 if mode == SWIGLU_FWD else 1)
+                               b_tiles=2 if mode == SWIGLU_FWD else 1, c_tiles=int(tiles.store_descriptors))
     return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
 
 
@@ -503,7 +544,8 @@ def grouped_gemm(
     dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
-    if a_desc or b_desc:
+    c_desc = tiles.store_descriptors and c_row is None and all(map(tma_readable, (c, c2, aux1, aux3)))
+    if a_desc or b_desc or c_desc:
         use_descriptor_scratch(a.device)
     launcher(_grouped_gemm_kernel)[(programs,)](
         a, a if a2 is None else a2,
@@ -514,11 +556,11 @@ def grouped_gemm(
         dummy if c_row is None else c_row,
         aux1, aux3,
         schedule.tile_offsets, schedule.table,
-        N, Kd, num_experts, a.shape[0],
+        N, Kd, num_experts, a.shape[0], c.shape[0], aux1.shape[0],
         a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
-        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
+        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
