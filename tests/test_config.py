@@ -22,7 +22,7 @@ def test_from_dict_sets_values():
     [
         # unknown key: named, with the allowed keys
         ({"backendd": "torch"},
-         r"unknown key uniep\.backendd = 'torch'; allowed keys in \[uniep\]: backend, config, descriptor_loads, descriptor_stores, gemm_block_k, "),
+         r"unknown key uniep\.backendd = 'torch'; allowed keys in \[uniep\]: backend, config, descriptor_loads, descriptor_stores, "),
         # value outside a Literal: named, with allowed values
         ({"transport": "nccl"}, r"uniep\.transport = 'nccl' is not allowed; allowed values: 'all_to_all'"),
         # wrong type for an enum field
