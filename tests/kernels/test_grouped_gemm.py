@@ -144,6 +144,15 @@ def test_descriptor_loads_give_the_bits_of_pointer_loads(kind, dtype):
     assert [torch.equal(a, b) for a, b in zip(pointers, descriptors)] == [True] * len(pointers)
 
 
+def _expert_inputs(counts, K, gen, D=24, H=40):
+    """(x, w1, w2, w3, grad_y) of an expert MLP: counts.sum() / K tokens, fp32."""
+    E, P = counts.numel(), int(counts.sum())
+    x = torch.randn(P // K, D, generator=gen)
+    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen)
+    return x, w1, w2, w3, torch.randn(P, D, generator=gen)
+
+
 @pytest.mark.parametrize("descriptors", [False, True])
 def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
     """Experts whose last row tile holds at most half a tile's rows (1, 5, 15 of 32),
@@ -153,12 +162,8 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
 
     gen = torch.Generator().manual_seed(4)
     counts = torch.tensor([5, 32, 0, 33, 17, 47])  # last tiles of 5, 32, -, 1, 17, 15 rows
-    E, K, D, H = counts.numel(), 2, 24, 40
-    P = int(counts.sum())
-    x = torch.randn(P // K, D, generator=gen)
-    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
-    w2 = torch.randn(E, D, H, generator=gen)
-    grad_y = torch.randn(P, D, generator=gen)
+    K, P = 2, int(counts.sum())
+    x, w1, w2, w3, grad_y = _expert_inputs(counts, K, gen)
     full = dataclasses.replace(TILES, block_m=32, descriptors=descriptors)
     half = dataclasses.replace(full, half_tiles=True)
     assert half.half_tiles and not full.half_tiles
@@ -168,7 +173,7 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
     # the launch with no scale or gather: gate/up's a1 against fp32 (a wrong half tile,
     # e.g. rows of the next expert, would differ here too)
     off = row_tiles(counts, 32, P)
-    rows = torch.randn(P, D, generator=gen)
+    rows = torch.randn(P, x.shape[1], generator=gen)
     _, a1, _ = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=half, mode=SWIGLU_FWD, w2_E=w3)
     torch.testing.assert_close(a1, grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
                                rtol=1e-5, atol=1e-5)
@@ -184,12 +189,9 @@ def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
 
     gen = torch.Generator().manual_seed(6)
     counts = torch.tensor([16, 5, 0, 33, 32, 8])  # full, partial, empty, full + 1, full x 2, partial
-    E, K, D, H = counts.numel(), 2, 24, 40
-    P = int(counts.sum())
-    x = torch.randn(P // K, D, generator=gen)
-    w1, w3 = (torch.randn(E, H, D, generator=gen) for _ in range(2))
-    w2 = torch.randn(E, D, H, generator=gen)
-    grad_y = torch.randn(P, D, generator=gen)
+    K, P = 2, int(counts.sum())
+    x, w1, w2, w3, grad_y = _expert_inputs(counts, K, gen)
+    H = w1.shape[1]
     pointer = dataclasses.replace(TILES, descriptors=True, half_tiles=half_tiles)
     stores = dataclasses.replace(pointer, store_descriptors=True)
     off = row_tiles(counts, TILES.block_m, P)
