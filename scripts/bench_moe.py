@@ -57,6 +57,8 @@ SWEEP = {
     "full_tiles": dict(gemm_half_tiles=False),
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
+    "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
+    "one_stream": dict(shared_experts_stream=False),
 }
 
 

@@ -109,6 +109,12 @@ class UniEPConfig:
     the down input gradient) store their full row tiles through tensor descriptors
     (TMA on Hopper) instead of pointer stores. Does not change bits."""
 
+    shared_experts_stream: bool = False
+    """The shared experts run on a second CUDA stream beside the routed experts, forward
+    and backward, where the experts run on Triton (not under torch.compile): their GEMMs
+    overlap the routed path's memory-bound launches (``uniep.streams``). Does not change
+    bits."""
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):

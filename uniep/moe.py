@@ -27,6 +27,7 @@ from uniep.plan import expert_order
 from uniep.routed_op import register_path, registered_path
 from uniep.router import TopKRouter
 from uniep.shared_experts import shared_swiglu
+from uniep.streams import CUDA_SIDE_STREAM, ONE_STREAM
 
 # (config, EP group, experts, score_before_experts, device type) -> the id of their
 # expert path: one path (its buffers, and one compiled graph) for all the layers of a model.
@@ -134,6 +135,8 @@ class UniEPMoE(nn.Module):
         # routed experts do
         self._on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
         self.router.fused = self._on_triton
+        side = config.shared_experts_stream and self._on_triton and key[-1] == "cuda"
+        self._shared_streams = CUDA_SIDE_STREAM if side else ONE_STREAM
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not
@@ -263,8 +266,10 @@ class UniEPMoE(nn.Module):
             self._check_routing(topk_idx, B * S)
 
         # The shared experts first: their GEMMs keep the device busy while the host
-        # issues the router's and the routing plan's many small ops.
-        shared_TD = None if self.shared_experts is None else self._shared_experts(x_TD)
+        # issues the router's and the routing plan's many small ops (and, on a side
+        # stream, while the device runs them).
+        streams = ONE_STREAM if torch.compiler.is_compiling() else self._shared_streams
+        shared_TD = None if self.shared_experts is None else streams.start(self._shared_experts, x_TD)
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
         counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
         with torch.no_grad():
@@ -272,7 +277,7 @@ class UniEPMoE(nn.Module):
 
         out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
         if shared_TD is not None:
-            out_TD = shared_TD + out_TD
+            out_TD = streams.wait(shared_TD) + out_TD
         return out_TD.view(B, S, D)
 
     def _shared_experts(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """On a CUDA GPU: bf16 parity of the Triton expert block with TorchTitan's MoE (against
 an fp32 computation), bitwise repeatability, and bitwise invariance to the schedule
-knobs (persistent programs, descriptor or pointer loads, stages, warps)."""
+knobs (persistent programs, descriptor or pointer loads, stages, warps, the shared
+experts' stream)."""
 
 import copy
 
@@ -106,6 +107,7 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(gemm_num_warps=4, wgrad_num_warps=4),
         dict(gemm_half_tiles=not UniEPConfig().gemm_half_tiles),
         dict(descriptor_stores=not UniEPConfig().descriptor_stores),
+        dict(shared_experts_stream=not UniEPConfig().shared_experts_stream),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

@@ -1,0 +1,114 @@
+"""The shared experts on a side stream (``uniep.streams``, a CUDA branch): here with a
+stand-in stream API that logs what the layer asks of it, in the Triton interpreter.
+The layer must fork the side stream after the current stream's work, run the shared
+experts inside it, record the memory that crosses streams, run the routed experts
+meanwhile, and wait for the side stream before the sum; the bits stay those of one
+stream."""
+
+import pytest
+import torch
+
+from uniep import UniEPConfig, UniEPMoE
+from uniep.streams import CUDA_SIDE_STREAM, ONE_STREAM, SideStream
+
+# What a correct forward asks of the stream API, in order (names of _Streams's log).
+EXPECTED = ["side waits current", "enter side", "shared experts", "exit side", "record x on side",
+            "routed experts", "current waits side", "record out on current"]
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class _Streams:
+    """A stream API (``uniep.streams.CudaStreams``'s interface) that only logs."""
+
+    def __init__(self, log):
+        self.log = log
+        self.current = _Stream("current", log)
+        self.inside = self.current
+
+    def Stream(self, device):
+        return _Stream("side", self.log)
+
+    def current_stream(self, device):
+        return self.inside
+
+    def stream(self, s):
+        streams = self
+
+        class _Context:
+            def __enter__(self):
+                streams.log.append(f"enter {s.name}")
+                streams.inside = s
+
+            def __exit__(self, *exc):
+                streams.log.append(f"exit {s.name}")
+                streams.inside = streams.current
+
+        return _Context()
+
+    def record(self, t, s):
+        self.log.append(f"record {'x' if t.data_ptr() == self.x_ptr else 'out'} on {s.name}")
+
+
+class _NoWait(SideStream):
+    """Deliberately wrong: the sum does not wait for the side stream."""
+
+    def wait(self, out):
+        return out
+
+
+def _layer():
+    torch.manual_seed(0)
+    layer = UniEPMoE(24, 16, 4, 2, num_shared_experts=2, config=UniEPConfig(backend="triton"))
+    layer.init_weights(0.05)
+    return layer
+
+
+def _logged_call(layer, streams_class, x, grad):
+    log = []
+    streams = _Streams(log)
+    layer._shared_streams = streams_class(streams)
+    shared, routed = layer._shared_experts, layer.experts.forward
+    layer._shared_experts = lambda t: log.append("shared experts") or shared(t)
+    layer.experts.forward = lambda *a: log.append("routed experts") or routed(*a)
+    xi = x.clone().requires_grad_(True)
+    streams.x_ptr = xi.data_ptr()
+    layer.zero_grad(set_to_none=True)
+    out = layer(xi)
+    out.backward(grad)
+    del layer._shared_experts, layer.experts.forward
+    return log, [out.detach(), xi.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
+
+
+@pytest.mark.parametrize("streams_class, right", [(SideStream, True), (_NoWait, False)])
+def test_the_layer_overlaps_its_shared_experts_on_a_side_stream(streams_class, right):
+    layer = _layer()
+    x, grad = torch.randn(2, 9, 24), torch.randn(2, 9, 24)
+    layer._shared_streams = ONE_STREAM
+    xi = x.clone().requires_grad_(True)
+    out = layer(xi)
+    out.backward(grad)
+    one_stream = [out.detach(), xi.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
+
+    log, side = _logged_call(layer, streams_class, x, grad)
+    assert (log == EXPECTED) == right, log
+    assert all(torch.equal(a, b) for a, b in zip(one_stream, side))
+
+
+def test_the_side_stream_is_chosen_on_cuda_only(monkeypatch):
+    """The config's switch takes effect where the experts run on Triton on CUDA; on the
+    CPU (even on Triton's interpreter) and on the PyTorch backend everything stays on one stream."""
+    for backend, device, chosen in (("triton", "cuda", CUDA_SIDE_STREAM), ("triton", "cpu", ONE_STREAM),
+                                    ("torch", "cuda", ONE_STREAM)):
+        monkeypatch.setattr(UniEPMoE, "_device_type", lambda self, device=device: device)
+        layer = UniEPMoE(24, 16, 4, 2, num_shared_experts=1,
+                         config=UniEPConfig(backend=backend, shared_experts_stream=True))
+        assert layer._shared_streams is chosen, (backend, device)
+        layer.config = UniEPConfig(backend=backend)
+        assert layer._shared_streams is ONE_STREAM
