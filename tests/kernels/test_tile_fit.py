@@ -1,6 +1,7 @@
 """Every tile setting the layer can launch fits an H200's shared memory in every dtype a
 TorchTitan config trains in (float32 tiles of the bf16 defaults needed 384 KiB: the
-first GPU run of the float32 debug configs died with OutOfResources)."""
+first GPU run of the float32 debug configs died with OutOfResources), and float32 tiles
+of IEEE dots fit the registers (the bf16 defaults spilled in float32)."""
 
 import itertools
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from uniep.config import UniEPConfig
-from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK, GemmTiles, shared_memory_bytes
+from uniep.kernels import grouped_gemm
+from uniep.kernels.grouped_gemm import (
+    FMA_VALUES_PER_THREAD,
+    H200_SMEM_PER_BLOCK,
+    GemmTiles,
+    fma_values_per_thread,
+    shared_memory_bytes,
+)
 from uniep.tune.space import CHOICES
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,16 +53,29 @@ def test_every_fitted_tile_fits_the_h200(dtype):
         # row tiles are laid out by block_m outside the launch: it never changes
         assert fitted.block_m == tiles.block_m
         assert (fitted.num_warps, fitted.num_programs) == (tiles.num_warps, tiles.num_programs)
+        if dtype == torch.float32:  # IEEE dots: within the registers unless block_m alone is too tall
+            assert (fma_values_per_thread(fitted, b_tiles) <= FMA_VALUES_PER_THREAD
+                    or (fitted.block_n, fitted.block_k) == (16, 16)), (tiles, fitted)
         checked += 1
     assert checked > 200
 
 
-def test_float32_defaults_need_fitting_and_bf16_defaults_do_not():
+def test_float32_defaults_need_fitting_and_bf16_defaults_do_not(monkeypatch):
     gate_up = GemmTiles(128, 128, 64, 8, 4)
     # the crash: float32 gate/up tiles at the defaults want 384 KiB
     assert _smem(gate_up, torch.float32, 1, 2) == 393216 > H200_SMEM_PER_BLOCK
+    # TF32 dots (tensor cores): fitted to shared memory only, by fewer stages
+    monkeypatch.setattr(grouped_gemm, "dot_precision", lambda dtype: "tf32")
     fitted = gate_up.fitted(torch.float32, CPU, 1, 2)
-    assert fitted.block_k == gate_up.block_k and fitted.num_stages == 2  # stages only: same bits
+    assert fitted.block_k == gate_up.block_k and fitted.num_stages == 2
+    # IEEE float32 dots (the default; FMA units, the operands in registers): the defaults
+    # would spill, so block_k, then block_n, are lowered
+    monkeypatch.undo()
+    for tiles, b_tiles, expected in ((gate_up, 2, (128, 32, 16)), (GemmTiles(128, 256, 64, 8, 3), 1, (128, 64, 16))):
+        assert fma_values_per_thread(tiles, b_tiles) > FMA_VALUES_PER_THREAD  # the control: unfitted, too many
+        fitted = tiles.fitted(torch.float32, CPU, 1, b_tiles)
+        assert (fitted.block_m, fitted.block_n, fitted.block_k) == expected
+        assert fma_values_per_thread(fitted, b_tiles) <= FMA_VALUES_PER_THREAD
     # bf16 (what real runs train in) launches exactly the configured tiles
     for tiles, (a_tiles, b_tiles) in ((gate_up, (1, 2)), (GemmTiles(128, 256, 64, 8, 3), (1, 1))):
         assert tiles.fitted(torch.bfloat16, CPU, a_tiles, b_tiles) == tiles

@@ -108,23 +108,47 @@ class GemmTiles:
     depends on the tiles only."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
-        """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands.
+        """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
+        (and, for float32 dots in IEEE precision, the registers: first a shorter
+        ``block_k``, then a narrower ``block_n``, down to ``FMA_VALUES_PER_THREAD``).
 
-        Fewer pipeline stages first (down to 2; the bits stay), then a shorter
+        For shared memory: fewer pipeline stages first (down to 2; the bits stay), then a shorter
         ``block_k`` (down to 16), then 1 stage, then a narrower ``block_n``. ``block_m``
         never changes: callers lay out row tiles by it. The choice depends only on the
         tiles, the dtype and the device's limit, so every path that launches the same
         tiles (one rank, all_to_all, megakernel) fits them the same way and the bits
-        stay path-independent. bf16 with the default tiles fits as given on an H200.
+        stay path-independent (float32 also on PyTorch's TF32 switch, ``dot_precision``).
+        bf16 with the default tiles fits as given on an H200.
         Cached: every launch asks again.
         """
-        return _fit(self, dtype, smem_limit(torch.device(device)), a_tiles, b_tiles)
+        return _fit(self, dtype, smem_limit(torch.device(device)), a_tiles, b_tiles, dot_precision(dtype) == "ieee")
+
+
+# float32 dots in IEEE precision run on the FMA units with their operand tiles in
+# registers beside the accumulators. Compiled for sm_90 (Triton 3.9 on the CPU machine,
+# 8 warps): the default 128x256x64 plain tiles spilled 24 KB per thread and 128x128x16
+# 3 KB, while 128x64x16 (44 values per thread) and gate/up's 128x32x16 (44) did not
+# spill; 128x64x32 (56) did. A float32 step of the debug model spent 240 ms in the
+# spilling GEMMs on an H200 (benchmarks/RESULTS.md).
+FMA_VALUES_PER_THREAD = 48
+
+
+def fma_values_per_thread(t: GemmTiles, b_tiles: int = 1) -> float:
+    """fp32 values per thread of an FMA dot's tiles: the accumulators (one per B tile)
+    and one step's A and B tiles."""
+    return (b_tiles * t.block_m * t.block_n + t.block_m * t.block_k + b_tiles * t.block_k * t.block_n) / (
+        32 * t.num_warps)
 
 
 @functools.lru_cache(maxsize=None)
-def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles: int) -> GemmTiles:
+def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles: int, fma: bool = False) -> GemmTiles:
     elem = dtype.itemsize
     tiles = given
+    if fma:  # a shorter block_k first (down to 16), then a narrower block_n (down to 16)
+        while fma_values_per_thread(tiles, b_tiles) > FMA_VALUES_PER_THREAD and tiles.block_k > 16:
+            tiles = dataclasses.replace(tiles, block_k=tiles.block_k // 2)
+        while fma_values_per_thread(tiles, b_tiles) > FMA_VALUES_PER_THREAD and tiles.block_n > 16:
+            tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
 
     def fits(t: GemmTiles) -> bool:
         return shared_memory_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, elem, a_tiles, b_tiles,
