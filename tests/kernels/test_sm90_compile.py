@@ -5,7 +5,8 @@ the wrong rank, a shared-memory overflow), and without this test such an error s
 only on a GPU.
 
 Each case is a specialization the Triton paths launch with the default tiles (bf16,
-descriptor loads on, 128-row tiles)."""
+descriptor loads on, 128-row tiles), or in float32 with those tiles fitted for IEEE
+dots; the float32 cases must also compile without spilling registers."""
 
 import inspect
 import json
@@ -17,7 +18,18 @@ import pytest
 
 pytest.importorskip("triton")
 
-from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK  # noqa: E402
+import torch  # noqa: E402
+
+from uniep.config import UniEPConfig  # noqa: E402
+from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK, ExpertTiles  # noqa: E402
+
+
+def _fp32_fitted(kind: str, b_tiles: int = 1) -> dict:
+    """The default tiles of launch ``kind`` (an ``ExpertTiles`` field) fitted for float32
+    IEEE dots, as kernel constants."""
+    t = getattr(ExpertTiles.from_config(UniEPConfig()), kind).fitted(torch.float32, torch.device("cpu"), b_tiles=b_tiles)
+    return dict(dtype="fp32", DOT_PRECISION="ieee", BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_stages=t.num_stages)
+
 
 # Cases: (kernel, constants that differ from the defaults below). Each is a
 # specialization the Triton paths launch with the default tiles (bf16, descriptor loads).
@@ -45,6 +57,14 @@ CASES = {
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
     "router choice backward": (ROUTER_BWD, dict()),
+    # float32 (the debug configs) at the default tiles fitted for IEEE dots: the operands
+    # sit in registers, and at the bf16 tiles the compiler spilled (control below)
+    "float32 gate/up, fitted": (GEMM, dict(MODE=1, **_fp32_fitted("up", b_tiles=2))),
+    "float32 down, scattered to (token, k), fitted": (GEMM, dict(MODE=0, HAS_C_ROW=True, **_fp32_fitted("gemm"))),
+    "float32 up input gradient, fitted": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True,
+                                                     **_fp32_fitted("gemm"))),
+    "float32 w1/w3 gradient, fitted": (WGRAD, dict(HALVES=2, **_fp32_fitted("wgrad_up"))),
+    "float32 at the bf16 tiles (control)": (GEMM, dict(MODE=0, dtype="fp32", DOT_PRECISION="ieee", num_stages=2)),
     # the controls: a kernel the compiler rejects (tl.arange of 96), tiles too large
     # for shared memory (found in the compiled kernel's metadata)
     "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
@@ -63,10 +83,11 @@ def compile_sm90(name: str) -> dict:
     kind, changes = CASES[name]
     changes = dict(changes)
     num_stages = changes.pop("num_stages", 3)
+    dtype = changes.pop("dtype", "bf16")
     if kind == GEMM:
         kernel = grouped_gemm._grouped_gemm_kernel
         types = dict.fromkeys(("a_ptr", "a2_ptr", "b_ptr", "b2_ptr", "c_ptr", "c2_ptr", "aux1_ptr", "aux3_ptr"),
-                              "*bf16")
+                              f"*{dtype}")
         types |= dict.fromkeys(("N", "Kd", "num_experts", "rows_a", "rows_c", "rows_aux", "stride_am", "stride_be", "stride_bk",
                                 "stride_bn", "stride_cm", "stride_auxm"), "i32")
         types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", tile_offsets_ptr="*i32",
@@ -84,7 +105,7 @@ def compile_sm90(name: str) -> dict:
             constants |= dict(HAS_BIAS=False, SELECT=True)
     else:
         kernel = wgrad._grouped_wgrad_kernel
-        types = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "c2_ptr"), "*bf16")
+        types = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "c2_ptr"), f"*{dtype}")
         types |= dict.fromkeys(("M", "N", "num_experts", "rows_a", "rows_b", "stride_am", "stride_bm",
                                 "stride_ce", "stride_cm"), "i32")
         types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
@@ -103,7 +124,27 @@ def compile_sm90(name: str) -> dict:
     except Exception as e:  # reported to the test, which decides
         cause = e.__cause__ or e
         return {"error": f"{type(e).__name__}: {type(cause).__name__}: {cause}"[-2000:]}
-    return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared}
+    return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared,
+            "stack": _stack_bytes(compiled.asm["cubin"])}
+
+
+def _stack_bytes(cubin: bytes) -> int | None:
+    """Per-thread stack of the compiled kernel (registers spilled to local memory), read
+    with the cuobjdump that comes with Triton; None where there is none."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"STACK:(\d+)", out)
+    return int(found.group(1)) if found else None
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +174,17 @@ def test_kernel_compiles_for_sm90(compiled, name):
     # descriptors are built on the device, in scratch memory the launch allocates
     kind, changes = CASES[name]
     assert (result["scratch"] > 0) == (kind in (GEMM, WGRAD) and changes.get("A_DESC", True))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("float32") and "control" not in n])
+def test_float32_fitted_tiles_do_not_spill(compiled, name):
+    """Spills are the stack of the compiled kernel: the bf16 tiles in float32 took 24 KB
+    per thread (the control); the fitted ones none, or a few bytes."""
+    stack = compiled[name]["stack"]
+    if stack is None:
+        pytest.skip("no cuobjdump with this Triton")
+    assert stack <= 64, stack
+    assert compiled["float32 at the bf16 tiles (control)"]["stack"] > 4096
 
 
 def test_the_controls_fail_here(compiled):
