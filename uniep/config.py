@@ -112,8 +112,9 @@ class UniEPConfig:
     shared_experts_stream: bool = False
     """The shared experts run on a second CUDA stream beside the routed experts, forward
     and backward, where the experts run on Triton (not under torch.compile): their GEMMs
-    overlap the routed path's memory-bound launches (``uniep.streams``). Does not change
-    bits."""
+    overlap the routed path's memory-bound launches (``uniep.streams``). On one H200 the
+    layer ran no faster (the kernels side by side slow each other as much as they
+    overlap; benchmarks/RESULTS.md). Does not change bits."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
