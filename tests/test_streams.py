@@ -79,11 +79,17 @@ def _logged_call(layer, streams_class, x, grad):
     layer.experts.forward = lambda *a: log.append("routed experts") or routed(*a)
     xi = x.clone().requires_grad_(True)
     streams.x_ptr = xi.data_ptr()
+    got = _fwd_bwd(layer, xi, grad)
+    del layer._shared_experts, layer.experts.forward
+    return log, got
+
+
+def _fwd_bwd(layer, xi, grad):
+    """Output, input gradient and parameter gradients of one forward+backward on ``xi``."""
     layer.zero_grad(set_to_none=True)
     out = layer(xi)
     out.backward(grad)
-    del layer._shared_experts, layer.experts.forward
-    return log, [out.detach(), xi.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
+    return [out.detach(), xi.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
 
 
 @pytest.mark.parametrize("streams_class, right", [(SideStream, True), (_NoWait, False)])
@@ -91,10 +97,7 @@ def test_the_layer_overlaps_its_shared_experts_on_a_side_stream(streams_class, r
     layer = _layer()
     x, grad = torch.randn(2, 9, 24), torch.randn(2, 9, 24)
     layer._shared_streams = ONE_STREAM
-    xi = x.clone().requires_grad_(True)
-    out = layer(xi)
-    out.backward(grad)
-    one_stream = [out.detach(), xi.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
+    one_stream = _fwd_bwd(layer, x.clone().requires_grad_(True), grad)
 
     log, side = _logged_call(layer, streams_class, x, grad)
     assert (log == EXPECTED) == right, log

@@ -11,8 +11,10 @@ dots; the float32 cases must also compile without spilling registers."""
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -131,9 +133,6 @@ def compile_sm90(name: str) -> dict:
 def _stack_bytes(cubin: bytes) -> int | None:
     """Per-thread stack of the compiled kernel (registers spilled to local memory), read
     with the cuobjdump that comes with Triton; None where there is none."""
-    import re
-    import tempfile
-
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
