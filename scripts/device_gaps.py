@@ -4,7 +4,7 @@ and which host operations synchronize with it.
     python scripts/device_gaps.py [--shape dsv3_16b] [--calls 5] [--layers uniep,torchtitan_compiled]
                                   [--stacks] [--list]
 
-For each layer (UniEP eager, TorchTitan eager or under ``torch.compile``; same weights,
+For each layer (UniEP or TorchTitan, eager or under ``torch.compile``; same weights,
 built by ``bench_moe.py``): after warm-up,
 
 1. one forward+backward under ``torch.cuda.set_sync_debug_mode("warn")``: every PyTorch
@@ -174,14 +174,14 @@ def main() -> None:
     parser.add_argument("--shape", default="dsv3_16b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--layers", default="uniep,torchtitan_compiled",
-                        help="of uniep, torchtitan, torchtitan_compiled")
+                        help="of uniep, uniep_compiled, torchtitan, torchtitan_compiled")
     parser.add_argument("--top", type=int, default=8, help="gaps to print per layer")
     parser.add_argument("--stacks", action="store_true", help="also trace the host's operators and Python stacks")
     parser.add_argument("--list", action="store_true", help="print every device operation of the last call")
     parser.add_argument("--json", help="write the analyses here")
     args = parser.parse_args()
     layers = args.layers.split(",")
-    allowed = ("uniep", "torchtitan", "torchtitan_compiled")
+    allowed = ("uniep", "uniep_compiled", "torchtitan", "torchtitan_compiled")
     if [x for x in layers if x not in allowed] or args.calls < 1:
         sys.exit(f"--layers {args.layers!r} / --calls {args.calls}: allowed layers {', '.join(allowed)}, calls >= 1")
     if not torch.cuda.is_available():
@@ -189,7 +189,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     titan, uniep, T, D, *_ = build_layers(args.shape)
-    built = dict(uniep=uniep, torchtitan=titan, torchtitan_compiled=torch.compile(titan))
+    built = dict(uniep=uniep, uniep_compiled=torch.compile(uniep), torchtitan=titan,
+                 torchtitan_compiled=torch.compile(titan))
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn_like(x)
