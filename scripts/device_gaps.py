@@ -17,7 +17,10 @@ built by ``bench_moe.py``): after warm-up,
    each with the operations before and after it, how long the second was issued before
    it started (a few microseconds: the device waited for the host to issue it) and, with
    ``--stacks``, the Python lines that issued it; host calls that blocked on the device
-   (``cudaStreamSynchronize``, blocking copies, ...) with their duration. ``--list``
+   (``cudaStreamSynchronize``, blocking copies, ...) with their duration; for each large gap
+   also how long the host ran since it issued the previous device operation and the slow host API
+   calls in that time (``cudaMalloc``, a launch that blocked, a module load), and over the
+   whole trace the host API calls that took at least ``SLOW_HOST_CALL_US``. ``--list``
    prints every device operation of the last call: start, duration, idle before it.
 
 Nothing here times a layer for a result (``bench_moe.py`` does). With ``--stacks`` the
@@ -45,6 +48,7 @@ from profile_step import DEVICE_CATEGORIES, union_us  # noqa: E402
 LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 BLOCKING_PRINTED = 10
 GAP_BUCKETS_US = (2, 5, 10, 50, 200)
+SLOW_HOST_CALL_US = 50
 
 
 def _blocking(name: str) -> bool:
@@ -68,6 +72,21 @@ def _issuer(launch: dict, host_spans: dict[int, list[dict]], depth: int) -> list
     return names
 
 
+def _host_before(launch: dict, api_calls: list[dict], issuing: set) -> tuple[float | None, list[str]]:
+    """Microseconds from the end of the previous host call that issued a device operation
+    (``issuing``: their correlation ids; any thread, the backward issues from the autograd
+    engine's) to ``launch``, and the slow host API calls in between (``launch`` too),
+    with their threads and durations: what held the host up before it issued ``launch``."""
+    earlier = [e["ts"] + e["dur"] for e in api_calls
+               if e["ts"] + e["dur"] <= launch["ts"] and e.get("args", {}).get("correlation") in issuing]
+    if not earlier:
+        return None, []
+    since = max(earlier)
+    slow = [f"{e['name']} {e['dur']:.0f} us (thread {e.get('tid')})" for e in api_calls
+            if since <= e["ts"] <= launch["ts"] and e["dur"] >= SLOW_HOST_CALL_US]
+    return launch["ts"] - since, slow
+
+
 def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
     """Span, busy and idle microseconds of a trace's device operations; the ``top``
     largest idle gaps (the operations around each, the lead of the second's launch, the
@@ -78,6 +97,8 @@ def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
         raise ValueError("the trace has no device operations (was it a GPU run?)")
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    api_calls = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    issuing = {e.get("args", {}).get("correlation") for e in device}
     host_spans: dict[int, list[dict]] = defaultdict(list)
     for e in events:
         if e.get("cat") in ("python_function", "cpu_op", "user_annotation"):
@@ -89,10 +110,12 @@ def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
     for e in device:
         if e["ts"] > end and before is not None:
             launch = launches.get(e.get("args", {}).get("correlation"))
+            host_us, slow = (None, []) if launch is None else _host_before(launch, api_calls, issuing)
             gaps.append(dict(
                 idle_us=e["ts"] - end, before=before["name"], after=e["name"],
                 launch_lead_us=None if launch is None else e["ts"] - launch["ts"],
                 issued_by=[] if launch is None else _issuer(launch, host_spans, depth),
+                host_since_previous_launch_us=host_us, slow_host_calls=slow,
             ))
         if e["ts"] + e["dur"] >= end:
             end, before = e["ts"] + e["dur"], e
@@ -104,8 +127,14 @@ def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
     gaps.sort(key=lambda g: -g["idle_us"])
     blocking = [dict(name=e["name"], dur_us=e["dur"], issued_by=_issuer(e, host_spans, depth))
                 for e in events if e.get("cat") in LAUNCH_CATEGORIES and _blocking(str(e["name"]))]
+    slow_calls: dict[str, list[float]] = defaultdict(list)
+    for e in api_calls:
+        if e["dur"] >= SLOW_HOST_CALL_US:
+            slow_calls[str(e["name"])].append(e["dur"])
+    slow = sorted(((n, len(d), sum(d), max(d)) for n, d in slow_calls.items()), key=lambda x: -x[2])
     return dict(span_us=stop - start, busy_us=busy, idle_us=stop - start - busy, gaps=gaps[:top],
                 gap_count=len(gaps), gap_buckets=buckets, blocking=blocking, device_ops=len(device),
+                slow_host_calls=[dict(name=n, count=c, total_us=t, max_us=m) for n, c, t, m in slow],
                 ops=[dict(name=e["name"], start_us=e["ts"] - start, dur_us=e["dur"]) for e in device])
 
 
@@ -120,8 +149,14 @@ def print_analysis(name: str, a: dict, calls: int) -> None:
         lead = "?" if g["launch_lead_us"] is None else f"{g['launch_lead_us']:.0f}"
         print(f"  idle {g['idle_us']:8.1f} us  {g['before'][:50]} -> {g['after'][:50]}  (issued {lead} us before "
               f"it started)")
+        if g["host_since_previous_launch_us"] is not None:
+            print(f"      the host ran {g['host_since_previous_launch_us']:.0f} us since the previous launch"
+                  + (": " + ", ".join(g["slow_host_calls"]) if g["slow_host_calls"] else ""))
         for line in g["issued_by"]:
             print(f"      from {line[:110]}")
+    for c in a["slow_host_calls"]:
+        print(f"  host API calls of >= {SLOW_HOST_CALL_US} us: {c['name']} {c['count']} x, {c['total_us'] / calls:.0f} us "
+              f"per call, longest {c['max_us']:.0f} us")
     if a["blocking"]:
         print(f"  host calls that waited for the device: {len(a['blocking'])}")
         for b in a["blocking"][:BLOCKING_PRINTED]:

@@ -212,7 +212,8 @@ def _trace(*events):
 
 def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
     """Three kernels; the device idles 100 us before the third, which was launched 2 us
-    before it started from a Python line inside ``layer.py``; one stream synchronize.
+    before it started from a Python line inside ``layer.py``, 126 us after the second's
+    launch, with a 55 us ``cudaMalloc`` in between; one stream synchronize.
     Negative control: the same kernels back to back have no gap."""
     from device_gaps import analyze_trace
 
@@ -220,6 +221,8 @@ def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
                dict(cat="kernel", name="combine", ts=40, dur=20, args=dict(correlation=2)),  # overlaps
                dict(cat="kernel", name="wgrad", ts=160, dur=40, args=dict(correlation=3))]
     host = [dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=158, dur=1, tid=7, args=dict(correlation=3)),
+            dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=30, dur=2, tid=8, args=dict(correlation=2)),
+            dict(cat="cuda_runtime", name="cudaMalloc", ts=100, dur=55, tid=7, args=dict(correlation=10)),
             dict(cat="python_function", name="uniep/layer.py(10): forward", ts=100, dur=70, tid=7),
             dict(cat="python_function", name="uniep/moe.py(5): __call__", ts=90, dur=100, tid=7),
             dict(cat="python_function", name="uniep/other.py(1): elsewhere", ts=100, dur=70, tid=8),
@@ -229,6 +232,8 @@ def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
     gap = a["gaps"][0]
     assert (gap["before"], gap["after"], gap["launch_lead_us"]) == ("combine", "wgrad", 2)
     assert gap["issued_by"] == ["uniep/layer.py(10): forward", "uniep/moe.py(5): __call__"]
+    assert (gap["host_since_previous_launch_us"], gap["slow_host_calls"]) == (126, ["cudaMalloc 55 us (thread 7)"])
+    assert a["slow_host_calls"] == [dict(name="cudaMalloc", count=1, total_us=55, max_us=55)]
     assert [(b["name"], b["dur_us"]) for b in a["blocking"]] == [("cudaStreamSynchronize", 30)]
     assert [(b["count"], b["idle_us"]) for b in a["gap_buckets"]] == [(0, 0)] * 4 + [(1, 100), (0, 0)]
     assert [op["start_us"] for op in a["ops"]] == [0, 40, 160]
