@@ -1,7 +1,7 @@
 """UniEP layer vs TorchTitan 0.2.2's MoE, side by side in one process (one GPU).
 
     python scripts/bench_moe.py [--shapes qwen3,dsv3_16b,...] [--rounds 3] [--json out.json] [--sweep [V,...]]
-                                [--ep 2,4,8 --transport megakernel]
+                                [--sustained 3] [--ep 2,4,8 --transport megakernel]
 
 For each shape: same weights and inputs for both layers, each eager and under
 ``torch.compile``; correctness first (relative
@@ -16,7 +16,11 @@ next call while the device runs this one; ``back_to_back_cuda_ms``). Both are ti
 ``--rounds`` rounds that take the four main layers (TorchTitan and UniEP, eager and
 compiled, and the ``--sweep`` layers) in turn, and each row reports the median of its
 rounds (a GPU's speed drifts during a run by as much as the differences measured). The
-dense bf16 matmul rate measured in the same run is printed for scale. ``--sweep`` also
+dense bf16 matmul rate measured in the same run is printed for scale. ``--sustained S``
+also times each layer back to back for S seconds after a second of heating, in
+``--rounds`` interleaved rounds: the GPU at its power limit, as in training, where a
+call's time follows its energy (``gpu_energy.py``); with the energy per call, the mean
+power and the lowest SM clock seen. ``--sweep`` also
 times GEMM tile settings of UniEP (all, or those named), each a layer of its own on the
 same weights. ``--ep`` adds the megakernel with that many virtual
 ranks on the one GPU (the whole W-rank protocol: pushes to peer buffers, flags, remote
@@ -32,10 +36,14 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
-from uniep.tune.measure import back_to_back_cuda_ms, median_cuda_ms
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_energy import EnergyMeter, sustained  # noqa: E402
+
+from uniep.tune.measure import back_to_back_cuda_ms, median_cuda_ms  # noqa: E402
 
 # shape name -> (tokens, dim, moe hidden, experts, top-k, shared experts, score func, route_norm)
 SHAPES = {
@@ -83,6 +91,16 @@ class Row:
     vs_eager_back_to_back: float = 1.0
     vs_compiled_back_to_back: float = 1.0
     """The same ratios for calls issued back to back."""
+    sustained_rounds: list[dict] = field(default_factory=list)
+    """``--sustained``: each round's ``gpu_energy.Sustained`` as a dict."""
+    sustained_ms: float | None = None
+    sustained_joules: float | None = None
+    """Median over the rounds, per call (None without an energy counter)."""
+    sustained_min_clock_mhz: int | None = None
+    vs_compiled_sustained: float | None = None
+    """TorchTitan compiled's sustained time over this row's."""
+    vs_compiled_energy: float | None = None
+    """TorchTitan compiled's energy per call over this row's."""
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -185,6 +203,23 @@ def more_rounds(measured: list[tuple[Row, object]], x, grad, rounds: int, warmup
         row.tflops_fwd_bwd = flops / row.fwd_bwd_ms / 1e9
 
 
+def sustained_rounds(measured: list[tuple[Row, object]], x, grad, rounds: int, seconds: float) -> None:
+    """``--sustained``: ``rounds`` rounds taking the layers in turn, each layer back to back
+    at the power limit for ``seconds``; each row keeps the median of its rounds."""
+    meter = EnergyMeter.open(torch.cuda.current_device())
+    for _ in range(rounds):
+        for row, layer in measured:
+            s = sustained(fwd_bwd_step(layer, x, grad), seconds, meter, torch.cuda.synchronize)
+            row.sustained_rounds.append(asdict(s))
+    for row, _ in measured:
+        runs = row.sustained_rounds
+        row.sustained_ms = statistics.median(r["ms_per_call"] for r in runs)
+        joules = [r["joules_per_call"] for r in runs if r["joules_per_call"] is not None]
+        row.sustained_joules = statistics.median(joules) if joules else None
+        clocks = [r["min_sm_clock_mhz"] for r in runs if r["min_sm_clock_mhz"] is not None]
+        row.sustained_min_clock_mhz = min(clocks) if clocks else None
+
+
 def profile_kernels(name, layer, x, grad) -> None:
     """Device time per kernel of one forward+backward (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -276,6 +311,8 @@ def run_shape(shape, args) -> list[Row]:
         except OutOfResources as e:
             print(f"  {shape} uniep[{label}]: skipped ({e})", flush=True)
     more_rounds(list(zip(rows, layers)), x, grad, args.rounds, args.warmup, args.iters, flops)
+    if args.sustained:
+        sustained_rounds(list(zip(rows, layers)), x, grad, args.rounds, args.sustained)
     if args.ep:
         rows += megakernel_rows(uniep, x, grad, ref, flops, args)
     if args.profile:
@@ -287,6 +324,10 @@ def run_shape(shape, args) -> list[Row]:
         row.vs_compiled = rows[1].fwd_bwd_ms / row.fwd_bwd_ms
         row.vs_eager_back_to_back = rows[0].fwd_bwd_back_to_back_ms / row.fwd_bwd_back_to_back_ms
         row.vs_compiled_back_to_back = rows[1].fwd_bwd_back_to_back_ms / row.fwd_bwd_back_to_back_ms
+        if row.sustained_ms is not None:
+            row.vs_compiled_sustained = rows[1].sustained_ms / row.sustained_ms
+        if row.sustained_joules is not None and rows[1].sustained_joules is not None:
+            row.vs_compiled_energy = rows[1].sustained_joules / row.sustained_joules
     del titan, titan_compiled, uniep
     torch.cuda.empty_cache()
     return rows
@@ -305,10 +346,14 @@ def main() -> None:
     parser.add_argument("--ep", default="", help="expert-parallel degrees to add, e.g. 2,4,8 (virtual ranks)")
     parser.add_argument("--transport", default="megakernel", choices=["megakernel"],
                         help="transport of the --ep rows (one process: the megakernel on virtual ranks)")
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="also time each layer back to back at the power limit for this long per round (0: off)")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     if args.rounds < 1:
         sys.exit(f"--rounds = {args.rounds}: allowed values: 1 or more")
+    if args.sustained < 0:
+        sys.exit(f"--sustained = {args.sustained}: allowed values: 0 (off) or a number of seconds > 0")
     args.ep = [int(w) for w in args.ep.split(",") if w]
     args.sweep = [v for v in args.sweep.split(",") if v]
     if not torch.cuda.is_available():
@@ -333,19 +378,35 @@ def main() -> None:
                   f"x{row.vs_compiled_back_to_back:.2f} compiled  "
                   f"rounds {'/'.join(f'{t:.2f}' for t in row.fwd_bwd_rounds_ms)} | "
                   f"{'/'.join(f'{t:.2f}' for t in row.back_to_back_rounds_ms)} ms  "
-                  f"err out {row.rel_err_out:.2e} dx {row.rel_err_grad_x:.2e}", flush=True)
+                  f"err out {row.rel_err_out:.2e} dx {row.rel_err_grad_x:.2e}{_sustained_text(row)}", flush=True)
 
     header = ("| shape | layer | fwd ms | fwd+bwd ms | TFLOP/s | peak GiB | vs TorchTitan eager | "
-              "vs TorchTitan compiled | back to back ms | vs eager | vs compiled | rel err out | rel err dx |")
-    print("\n" + header + "\n|" + "---|" * 13)
+              "vs TorchTitan compiled | back to back ms | vs eager | vs compiled | sustained ms | vs compiled | "
+              "J per call | vs compiled | rel err out | rel err dx |")
+    print("\n" + header + "\n|" + "---|" * 17)
     for r in rows:
         print(f"| {r.shape} | {r.layer} | {r.fwd_ms:.2f} | {r.fwd_bwd_ms:.2f} | {r.tflops_fwd_bwd:.0f} | "
               f"{r.peak_gib:.2f} | {r.vs_eager:.2f} | {r.vs_compiled:.2f} | {r.fwd_bwd_back_to_back_ms:.2f} | "
               f"{r.vs_eager_back_to_back:.2f} | {r.vs_compiled_back_to_back:.2f} | "
-              f"{r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
+              + " | ".join(_fmt(v, f) for v, f in ((r.sustained_ms, ".2f"), (r.vs_compiled_sustained, ".2f"),
+                                                  (r.sustained_joules, ".2f"), (r.vs_compiled_energy, ".2f")))
+              + f" | {r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dense_tflops": dense, "rows": [asdict(r) for r in rows]}, f, indent=2)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _sustained_text(row: Row) -> str:
+    if row.sustained_ms is None:
+        return ""
+    watts = None if row.sustained_joules is None else row.sustained_joules / row.sustained_ms * 1e3
+    return (f"; sustained {row.sustained_ms:.2f} ms x{_fmt(row.vs_compiled_sustained, '.2f')} compiled, "
+            f"{_fmt(row.sustained_joules, '.2f')} J per call x{_fmt(row.vs_compiled_energy, '.2f')} compiled, "
+            f"{_fmt(watts, '.0f')} W, SM clock down to {_fmt(row.sustained_min_clock_mhz, 'd')} MHz")
 
 
 if __name__ == "__main__":

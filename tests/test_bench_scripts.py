@@ -242,3 +242,55 @@ def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
     packed[2]["ts"] = 60
     a = analyze_trace(_trace(*packed, host[0]))
     assert (a["idle_us"], a["gap_count"], a["gaps"], a["blocking"]) == (0, 0, [], [])
+
+
+class _FakeMeter:
+    """An energy counter that grows 2000 mJ per call of the step it counts, and an SM
+    clock that falls with each read."""
+
+    def __init__(self):
+        self.mj, self.clock = 0, 2000
+
+    def millijoules(self):
+        return self.mj
+
+    def sm_clock_mhz(self):
+        self.clock -= 10
+        return self.clock
+
+
+def test_sustained_measures_time_and_energy_per_call():
+    """Calls of 2 ms counted by a fake meter at 2 J each: about 2 ms and exactly 2 J per
+    timed call, though the meter also counted the heating calls before the timed start
+    (counting them, or dividing by the wrong number of calls, gives another value); the
+    lowest clock read. Without a meter: time only. A missing NVML library: no meter."""
+    import time
+
+    from gpu_energy import EnergyMeter, sustained
+
+    meter = _FakeMeter()
+
+    def step():
+        time.sleep(0.002)
+        meter.mj += 2000
+
+    s = sustained(step, seconds=0.05, meter=meter, synchronize=lambda: None, heat_seconds=0.02)
+    assert s.joules_per_call == 2.0
+    assert 2.0 <= s.ms_per_call < 4.0
+    assert 500 < s.watts <= 1000
+    assert s.min_sm_clock_mhz == meter.clock
+    assert meter.mj > 2000 * round(0.05 / 0.002) * 0.9  # the heating calls ran too
+    s = sustained(step, seconds=0.01, meter=None, synchronize=lambda: None, heat_seconds=0)
+    assert s.joules_per_call is None and s.watts is None and s.min_sm_clock_mhz is None
+    assert EnergyMeter.open(library="libno-such-nvml.so") is None
+
+
+def test_bench_moe_rows_print_the_sustained_columns():
+    """A row with sustained numbers prints them (and their ratios); one without, dashes."""
+    from bench_moe import Row, _sustained_text
+
+    row = Row("qwen3", "uniep", 0.0, 0.0, 1.0, 2.0, 100.0, 1.0, 2.0, sustained_ms=8.0, sustained_joules=5.6,
+              sustained_min_clock_mhz=1140, vs_compiled_sustained=1.5, vs_compiled_energy=1.52)
+    assert _sustained_text(row) == ("; sustained 8.00 ms x1.50 compiled, 5.60 J per call x1.52 compiled, "
+                                    "700 W, SM clock down to 1140 MHz")
+    assert _sustained_text(Row("qwen3", "uniep", 0.0, 0.0, 1.0, 2.0, 100.0, 1.0, 2.0)) == ""
