@@ -1,7 +1,7 @@
 """Where UniEP's routed-expert time goes, launch by launch, and which tile settings win.
 
     python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,pointer_loads,...]
-                                 [--warmup 5 --iters 20] [--rounds 3] [--json out.json]
+                                 [--warmup 5 --iters 20] [--rounds 3] [--sustained 1.5] [--json out.json]
 
 For each shape (``bench_moe.py``'s): one random top-k routing, then the steps of the
 Triton path as the models use it, scores applied after the experts (forward: the copy
@@ -16,6 +16,10 @@ only changes the schedule (warps, stages, programs, descriptor loads, fused or s
 SwiGLU backward, where rows are gathered), within bf16
 rounding where it changes the tiles. A variant that fails, or cannot launch (e.g. out of registers), is reported and
 not timed.
+``--sustained S`` also runs each timed launch back to back for S seconds at the GPU's
+power limit (``gpu_energy.py``), with its energy: GFLOP per joule beside that of one
+dense cuBLAS matmul of the same M, N and K (``dense_references``), the power roofline of
+that launch's work.
 Runs on the CPU too (the Triton interpreter, ``--device cpu``, tiny shapes) so its
 logic is tested.
 """
@@ -33,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES  # noqa: E402
+from gpu_energy import EnergyMeter, sustained  # noqa: E402
 
 from uniep.config import UniEPConfig  # noqa: E402
 from uniep.kernels.grouped_gemm import (  # noqa: E402
@@ -176,6 +181,50 @@ def launches(p: dict, knobs: dict) -> dict:
     )
 
 
+def dense_references(p: dict) -> dict:
+    """name -> one dense matmul (cuBLAS through ``torch.mm``) with the launch's M, N and K
+    and so its FLOPs: what the same work costs without experts, on random bf16 data."""
+    P, D, H, dtype, device = p["P"], p["D"], p["H"], p["dtype"], p["x"].device
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def mm(m, k, n):
+        a = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        b = torch.randn(k, n, device=device, generator=gen).to(dtype)
+        return lambda: torch.mm(a, b)
+
+    return dict(gate_up=mm(P, D, 2 * H), down=mm(P, H, D), down_dgrad=mm(P, D, H), up_dgrad=mm(P, 2 * H, D),
+                wgrad_down=mm(D, P, H), wgrad_up=mm(2 * H, P, D))
+
+
+def sustained_rows(shape: str, timed: list[tuple[dict, object]], p: dict, fl: dict, seconds: float) -> None:
+    """``--sustained``: each timed launch, then its dense reference, back to back at the
+    power limit; adds ``sustained_ms``, ``gflop_per_joule``, ``watts`` (and the
+    reference's ``dense_sustained_ms``, ``dense_gflop_per_joule``) to its row."""
+    meter = EnergyMeter.open(torch.cuda.current_device())
+    references = dense_references(p)
+    for row, fn in timed:
+        name = row["launch"]
+        runs = [("", fn)] + ([("dense_", references[name])] if name in references else [])
+        for prefix, step in runs:
+            s = sustained(step, seconds, meter, torch.cuda.synchronize, heat_seconds=0.5)
+            row[f"{prefix}sustained_ms"] = s.ms_per_call
+            row[f"{prefix}gflop_per_joule"] = (None if s.joules_per_call is None or not fl[name]
+                                               else fl[name] / s.joules_per_call / 1e9)
+            row[f"{prefix}watts"] = s.watts
+            row[f"{prefix}min_sm_clock_mhz"] = s.min_sm_clock_mhz
+        print(f"{shape} {row['variant']} {name} at the power limit: " + "; ".join(
+            f"{label} {row[f'{prefix}sustained_ms']:.3f} ms"
+            + (f" ({fl[name] / row[f'{prefix}sustained_ms'] / 1e9:.0f} TFLOP/s)" if fl[name] else "")
+            + f", {_fmt(row[f'{prefix}gflop_per_joule'], '.0f')} GFLOP/J, {_fmt(row[f'{prefix}watts'], '.0f')} W, "
+            f"SM clock down to {_fmt(row[f'{prefix}min_sm_clock_mhz'], 'd')} MHz"
+            for label, prefix in (("UniEP", ""), ("dense cuBLAS", "dense_")) if f"{prefix}sustained_ms" in row),
+            flush=True)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -262,6 +311,8 @@ def run_shape(shape: str, names: list[str], args) -> list[dict]:
               + (" (same bits as the default)" if row["same_bits"] and row["checked"] == "close" else "")
               + (f"  rounds {'/'.join(f'{t:.3f}' for t in row['rounds_ms'])}" if len(row["rounds_ms"]) > 1 else ""),
               flush=True)
+    if args.sustained:
+        sustained_rows(shape, timed, p, fl, args.sustained)
     return rows
 
 
@@ -294,10 +345,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timing rounds over all variants' launches, in turns; the median is reported")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="also run each launch at the power limit this long, with its energy (0: off; CUDA only)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.rounds < 1:
         sys.exit(f"--rounds = {args.rounds}: allowed values: 1 or more")
+    if args.sustained < 0 or (args.sustained and args.device != "cuda"):
+        sys.exit(f"--sustained = {args.sustained}: allowed values: 0 (off), or seconds > 0 with --device cuda")
     shapes, names = args.shapes.split(","), args.variants.split(",")
     for field, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", names, VARIANTS)):
         unknown = [g for g in given if g not in allowed]

@@ -83,7 +83,7 @@ def test_bench_ep_smoke_on_cpu(tmp_path):
 def _bench_gemm_args(**kw):
     import argparse
 
-    return argparse.Namespace(**{"device": "cpu", "warmup": 1, "iters": 1, "rounds": 1, **kw})
+    return argparse.Namespace(**{"device": "cpu", "warmup": 1, "iters": 1, "rounds": 1, "sustained": 0, **kw})
 
 
 def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
@@ -294,3 +294,38 @@ def test_bench_moe_rows_print_the_sustained_columns():
     assert _sustained_text(row) == ("; sustained 8.00 ms x1.50 compiled, 5.60 J per call x1.52 compiled, "
                                     "700 W, SM clock down to 1140 MHz")
     assert _sustained_text(Row("qwen3", "uniep", 0.0, 0.0, 1.0, 2.0, 100.0, 1.0, 2.0)) == ""
+
+
+def test_bench_gemm_sustained_rows_and_their_dense_references(monkeypatch):
+    """Each dense reference multiplies the launch's M x K by K x N (its FLOPs); at the
+    power limit every timed launch gets its time, GFLOP per joule and watts, and each GEMM
+    launch its reference's too (the row copy has none)."""
+    import bench_gemm
+
+    from gpu_energy import Sustained
+
+    p = bench_gemm.make_problem("tiny", "cpu")
+    fl = bench_gemm.flops(p)
+    shapes = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: shapes.append((a.shape, b.shape)) or real_mm(a, b))
+    for name, ref in bench_gemm.dense_references(p).items():
+        shapes.clear()
+        ref()
+        ((m, k), (k2, n)), = shapes
+        assert k == k2 and 2 * m * n * k == fl[name], name
+    monkeypatch.setattr(torch, "mm", real_mm)
+
+    runs = []
+    monkeypatch.setattr(bench_gemm, "sustained", lambda step, *a, **kw: runs.append(step) or Sustained(2.0, 0.5, 1500))
+    monkeypatch.setattr(bench_gemm.EnergyMeter, "open", staticmethod(lambda index: None))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    rows = [dict(launch=name, variant="default") for name in bench_gemm.LAUNCHES]
+    bench_gemm.sustained_rows("tiny", [(row, object()) for row in rows], p, fl, 1.0)
+    assert len(runs) == 2 * len(rows) - 1
+    for row in rows:
+        assert row["sustained_ms"] == 2.0 and row["watts"] == 250.0 and row["min_sm_clock_mhz"] == 1500
+        if row["launch"] == "gather_rows":
+            assert row["gflop_per_joule"] is None and "dense_sustained_ms" not in row
+        else:
+            assert row["gflop_per_joule"] == fl[row["launch"]] / 0.5 / 1e9 == row["dense_gflop_per_joule"]
