@@ -18,8 +18,8 @@ rounding where it changes the tiles. A variant that fails, or cannot launch (e.g
 not timed.
 ``--sustained S`` also runs each timed launch back to back for S seconds at the GPU's
 power limit (``gpu_energy.py``), with its energy: GFLOP per joule beside that of one
-dense cuBLAS matmul of the same M, N and K (``dense_references``), the power roofline of
-that launch's work.
+dense cuBLAS matmul of the same M, N and K (``dense_references``, run after the first
+variant's launches), the power roofline of that launch's work.
 Runs on the CPU too (the Triton interpreter, ``--device cpu``, tiny shapes) so its
 logic is tested.
 """
@@ -197,14 +197,17 @@ def dense_references(p: dict) -> dict:
 
 
 def sustained_rows(shape: str, timed: list[tuple[dict, object]], p: dict, fl: dict, seconds: float) -> None:
-    """``--sustained``: each timed launch, then its dense reference, back to back at the
-    power limit; adds ``sustained_ms``, ``gflop_per_joule``, ``watts`` (and the
-    reference's ``dense_sustained_ms``, ``dense_gflop_per_joule``) to its row."""
+    """``--sustained``: each timed launch back to back at the power limit, and after each
+    launch of the first variant its dense reference; adds ``sustained_ms``,
+    ``gflop_per_joule``, ``watts``, ``min_sm_clock_mhz`` (and the reference's, prefixed
+    ``dense_``) to its row."""
     meter = EnergyMeter.open(torch.cuda.current_device())
     references = dense_references(p)
+    first_variant = timed[0][0]["variant"] if timed else None
     for row, fn in timed:
         name = row["launch"]
-        runs = [("", fn)] + ([("dense_", references[name])] if name in references else [])
+        with_reference = name in references and row["variant"] == first_variant
+        runs = [("", fn)] + ([("dense_", references[name])] if with_reference else [])
         for prefix, step in runs:
             s = sustained(step, seconds, meter, torch.cuda.synchronize, heat_seconds=0.5)
             row[f"{prefix}sustained_ms"] = s.ms_per_call

@@ -299,9 +299,8 @@ def test_bench_moe_rows_print_the_sustained_columns():
 def test_bench_gemm_sustained_rows_and_their_dense_references(monkeypatch):
     """Each dense reference multiplies the launch's M x K by K x N (its FLOPs); at the
     power limit every timed launch gets its time, GFLOP per joule and watts, and each GEMM
-    launch its reference's too (the row copy has none)."""
+    launch of the first variant its reference's too (the row copy has none)."""
     import bench_gemm
-
     from gpu_energy import Sustained
 
     p = bench_gemm.make_problem("tiny", "cpu")
@@ -321,8 +320,10 @@ def test_bench_gemm_sustained_rows_and_their_dense_references(monkeypatch):
     monkeypatch.setattr(bench_gemm.EnergyMeter, "open", staticmethod(lambda index: None))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     rows = [dict(launch=name, variant="default") for name in bench_gemm.LAUNCHES]
-    bench_gemm.sustained_rows("tiny", [(row, object()) for row in rows], p, fl, 1.0)
-    assert len(runs) == 2 * len(rows) - 1
+    other = [dict(launch=name, variant="pointer_loads") for name in bench_gemm.LAUNCHES]
+    bench_gemm.sustained_rows("tiny", [(row, object()) for row in rows + other], p, fl, 1.0)
+    assert len(runs) == 3 * len(rows) - 1  # the references after the first variant's launches only
+    assert all("dense_sustained_ms" not in row and row["sustained_ms"] == 2.0 for row in other)
     for row in rows:
         assert row["sustained_ms"] == 2.0 and row["watts"] == 250.0 and row["min_sm_clock_mhz"] == 1500
         if row["launch"] == "gather_rows":
