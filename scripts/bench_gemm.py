@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import SHAPES  # noqa: E402
+from bench_moe import SHAPES, format_or_dash  # noqa: E402
 from gpu_energy import EnergyMeter, sustained  # noqa: E402
 
 from uniep.config import UniEPConfig  # noqa: E402
@@ -218,14 +218,10 @@ def sustained_rows(shape: str, timed: list[tuple[dict, object]], p: dict, fl: di
         print(f"{shape} {row['variant']} {name} at the power limit: " + "; ".join(
             f"{label} {row[f'{prefix}sustained_ms']:.3f} ms"
             + (f" ({fl[name] / row[f'{prefix}sustained_ms'] / 1e9:.0f} TFLOP/s)" if fl[name] else "")
-            + f", {_fmt(row[f'{prefix}gflop_per_joule'], '.0f')} GFLOP/J, {_fmt(row[f'{prefix}watts'], '.0f')} W, "
-            f"SM clock down to {_fmt(row[f'{prefix}min_sm_clock_mhz'], 'd')} MHz"
+            + f", {format_or_dash(row[f'{prefix}gflop_per_joule'], '.0f')} GFLOP/J, {format_or_dash(row[f'{prefix}watts'], '.0f')} W, "
+            f"SM clock down to {format_or_dash(row[f'{prefix}min_sm_clock_mhz'], 'd')} MHz"
             for label, prefix in (("UniEP", ""), ("dense cuBLAS", "dense_")) if f"{prefix}sustained_ms" in row),
             flush=True)
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def first(out):

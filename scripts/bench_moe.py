@@ -388,7 +388,7 @@ def main() -> None:
         print(f"| {r.shape} | {r.layer} | {r.fwd_ms:.2f} | {r.fwd_bwd_ms:.2f} | {r.tflops_fwd_bwd:.0f} | "
               f"{r.peak_gib:.2f} | {r.vs_eager:.2f} | {r.vs_compiled:.2f} | {r.fwd_bwd_back_to_back_ms:.2f} | "
               f"{r.vs_eager_back_to_back:.2f} | {r.vs_compiled_back_to_back:.2f} | "
-              + " | ".join(_fmt(v, f) for v, f in ((r.sustained_ms, ".2f"), (r.vs_compiled_sustained, ".2f"),
+              + " | ".join(format_or_dash(v, f) for v, f in ((r.sustained_ms, ".2f"), (r.vs_compiled_sustained, ".2f"),
                                                   (r.sustained_joules, ".2f"), (r.vs_compiled_energy, ".2f")))
               + f" | {r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
     if args.json:
@@ -396,7 +396,8 @@ def main() -> None:
             json.dump({"dense_tflops": dense, "rows": [asdict(r) for r in rows]}, f, indent=2)
 
 
-def _fmt(value, spec: str) -> str:
+def format_or_dash(value, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" where it was not measured."""
     return "-" if value is None else format(value, spec)
 
 
@@ -404,9 +405,9 @@ def _sustained_text(row: Row) -> str:
     if row.sustained_ms is None:
         return ""
     watts = None if row.sustained_joules is None else row.sustained_joules / row.sustained_ms * 1e3
-    return (f"; sustained {row.sustained_ms:.2f} ms x{_fmt(row.vs_compiled_sustained, '.2f')} compiled, "
-            f"{_fmt(row.sustained_joules, '.2f')} J per call x{_fmt(row.vs_compiled_energy, '.2f')} compiled, "
-            f"{_fmt(watts, '.0f')} W, SM clock down to {_fmt(row.sustained_min_clock_mhz, 'd')} MHz")
+    return (f"; sustained {row.sustained_ms:.2f} ms x{format_or_dash(row.vs_compiled_sustained, '.2f')} compiled, "
+            f"{format_or_dash(row.sustained_joules, '.2f')} J per call x{format_or_dash(row.vs_compiled_energy, '.2f')} compiled, "
+            f"{format_or_dash(watts, '.0f')} W, SM clock down to {format_or_dash(row.sustained_min_clock_mhz, 'd')} MHz")
 
 
 if __name__ == "__main__":
