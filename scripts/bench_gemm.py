@@ -63,8 +63,6 @@ from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: 
 VARIANTS = {
     "default": {},
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
-    # the library's fused down input gradient: on the plain GEMM tiles, a wide epilogue in column blocks
-    "swiglu_bwd_epilogue": dict(gemm_swiglu_bwd_epilogue=True),
     "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
@@ -106,7 +104,7 @@ LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_d
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gemm_swiglu_bwd_epilogue", "gather_in_kernel"}
+                  "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -161,9 +159,9 @@ def launches(p: dict, knobs: dict) -> dict:
     h, a1, a3 = gate_up()
 
     def down_dgrad():
-        if fused or tiles.swiglu_bwd_epilogue:
-            return grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=up if fused else gemm,
-                                mode=SWIGLU_BWD, aux=(a1, a3))
+        if fused:
+            return grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=up, mode=SWIGLU_BWD,
+                                aux=(a1, a3))
         pair = p["grad_y"].new_empty(2, *a1.shape)
         grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
         return swiglu_backward_(pair, a1, a3)

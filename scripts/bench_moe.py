@@ -61,8 +61,6 @@ SWEEP = {
     "wgrad_stages4": dict(wgrad_num_stages=4),
     "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
     "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
-    # the down input gradient with the SwiGLU backward in its epilogue (one launch)
-    "swiglu_bwd_epilogue": dict(gemm_swiglu_bwd_epilogue=True),
     "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
     "full_tiles": dict(gemm_half_tiles=False),
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors

@@ -64,12 +64,6 @@ class UniEPConfig:
     gemm_half_tiles: bool = False
     """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
     half the rows (the forward and input-gradient GEMMs). Does not change bits."""
-    gemm_swiglu_bwd_epilogue: bool = False
-    """The down input gradient on the plain GEMM tiles with the SwiGLU backward in its
-    epilogue (a 256-wide tile's in four 64-column blocks): one launch that never writes
-    the gradient of h, instead of a plain GEMM and an elementwise launch (one-rank and
-    all_to_all paths; the megakernel always fuses it, on the gate/up tiles). Does not
-    change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster

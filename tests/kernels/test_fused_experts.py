@@ -85,22 +85,6 @@ def test_bitwise_across_program_counts():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_swiglu_backward_in_the_epilogue_gives_the_separate_bits():
-    """The down input gradient with the SwiGLU backward in its epilogue (one launch), on
-    256-wide tiles (the epilogue in column blocks), gives every output and gradient the
-    bits of the plain GEMM and elementwise launch."""
-    order, counts, inputs, grad = small_problem(2)
-    wide = GemmTiles(16, 256, 16, num_programs=3)
-    runs = []
-    for fused in (False, True):
-        tiles = ExpertTiles(wide, GemmTiles(16, 16, 16, num_programs=3), TILES, TILES, swiglu_bwd_epilogue=fused)
-        runs.append(fwd_bwd(
-            lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False, tiles=tiles),
-            inputs, grad,
-        ))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
 def test_bad_weight_shapes_are_named():
     x, s = torch.randn(4, 16), torch.rand(4, 2)
     w = torch.randn(3, 8, 16)

@@ -45,7 +45,6 @@ CASES = {
     "down input gradient": (GEMM, dict(MODE=0, B_TRANSPOSED=False)),
     "up input gradient": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True)),
     "megakernel down input gradient": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128)),
-    "down input gradient, SwiGLU backward in column blocks": (GEMM, dict(MODE=2, B_TRANSPOSED=False)),
     "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
     "gate/up, half tiles": (GEMM, dict(MODE=1, BLOCK_N=128, HALF_TILES=True)),
     "down, half tiles": (GEMM, dict(MODE=0, HAS_C_ROW=True, HALF_TILES=True)),

@@ -32,7 +32,6 @@ import torch
 from uniep.kernels.grouped_gemm import (
     DUAL,
     PLAIN,
-    SWIGLU_BWD,
     SWIGLU_FWD,
     ExpertTiles,
     grouped_gemm,
@@ -116,19 +115,14 @@ def w2_grad_first(state: ExpertRowsState) -> bool:
 
 
 def _down_input_grad(state: ExpertRowsState, tiles: ExpertTiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_a1, d_a3 (R, H)), halves of one buffer: d h = grad_y @ w2[e] on the wide tiles,
-    with the SwiGLU backward in the epilogue (``tiles.swiglu_bwd_epilogue``), or as a
-    plain GEMM into the buffer's first half and then the SwiGLU backward in place.
-    Releases a1, a3."""
+    """(d_a1, d_a3 (R, H)): d h = grad_y @ w2[e] (a plain GEMM on the wide tiles, into
+    the first half of the d_a1/d_a3 pair), then the SwiGLU backward in place (a fused
+    epilogue at the wide tiles would spill). Releases a1, a3."""
     state.grad_y = state.grad_y.contiguous()
-    if tiles.swiglu_bwd_epilogue:
-        d_a1, d_a3 = grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False,
-                                  tiles=tiles.gemm, mode=SWIGLU_BWD, aux=(state.a1, state.a3))
-    else:
-        pair = state.grad_y.new_empty(2, *state.a1.shape)
-        grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False,
-                     tiles=tiles.gemm, mode=PLAIN, out=pair[0])
-        d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
+    pair = state.grad_y.new_empty(2, *state.a1.shape)
+    grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False, tiles=tiles.gemm,
+                 mode=PLAIN, out=pair[0])
+    d_a1, d_a3 = swiglu_backward_(pair, state.a1, state.a3)
     state.a1 = state.a3 = None
     return d_a1, d_a3
 

@@ -184,9 +184,6 @@ class ExpertTiles:
     """The w2 gradient."""
     wgrad_up: GemmTiles
     """The w1/w3 gradient."""
-    swiglu_bwd_epilogue: bool = False
-    """The down input gradient with the SwiGLU backward in its epilogue, on the ``gemm``
-    tiles (one launch), instead of a plain GEMM and an elementwise launch; the same bits."""
 
     def __post_init__(self) -> None:
         # The gate/up launch and the plain ones walk one row-tile schedule (``row_tiles``).
@@ -210,7 +207,7 @@ class ExpertTiles:
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
-                   wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n), c.gemm_swiglu_bwd_epilogue)
+                   wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
 
 @triton.jit
@@ -296,64 +293,6 @@ def _store(ptr, offs, mask, value, desc, row0, n0, full, C_DESC: tl.constexpr):
         tl.store(ptr + offs, value, mask=mask)
 
 
-# Column block of a wide tile's SwiGLU-backward epilogue.
-_SWIGLU_BWD_COLUMNS = tl.constexpr(64)
-
-
-@triton.jit
-def _swiglu_bwd_block(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm,
-                      stride_auxm):
-    """d a1, d a3 of one column block from the fp32 gradient ``g`` of h (rounded to the
-    storage dtype first, as everywhere) and the saved a1, a3, stored through pointers."""
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    aux_offs = rows.to(tl.int64)[:, None] * stride_auxm + cols[None, :]
-    out_ty = c_ptr.dtype.element_ty
-    d_a1, d_a3 = swiglu_backward_math(g.to(out_ty).to(tl.float32),
-                                      tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0),
-                                      tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0))
-    c_offs = c_rows[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptr + c_offs, d_a1.to(out_ty), mask=mask_c)
-    tl.store(c2_ptr + c_offs, d_a3.to(out_ty), mask=mask_c)
-
-
-@triton.jit
-def _column_halves(t):
-    """The two column halves of a 2-D tile (``(rows, 2, n / 2)`` split on its middle axis)."""
-    return t.reshape(t.shape[0], 2, t.shape[1] // 2).permute(0, 2, 1).split()
-
-
-@triton.jit
-def _swiglu_bwd_half(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm,
-                     stride_auxm):
-    """One half of a wide tile's SwiGLU-backward epilogue: split once more where it is
-    still wider than ``_SWIGLU_BWD_COLUMNS``."""
-    if g.shape[1] > _SWIGLU_BWD_COLUMNS:
-        g_lo, g_hi = _column_halves(g)
-        cols_lo, cols_hi = cols.reshape(2, cols.shape[0] // 2).permute(1, 0).split()
-        mask_lo, mask_hi = mask_n.reshape(2, mask_n.shape[0] // 2).permute(1, 0).split()
-        _swiglu_bwd_block(g_lo, rows, mask_m, cols_lo, mask_lo, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                          stride_cm, stride_auxm)
-        _swiglu_bwd_block(g_hi, rows, mask_m, cols_hi, mask_hi, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                          stride_cm, stride_auxm)
-    else:
-        _swiglu_bwd_block(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                          stride_cm, stride_auxm)
-
-
-@triton.jit
-def _swiglu_bwd_halves(g, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm,
-                       stride_auxm):
-    """A SwiGLU-backward epilogue of up to four column blocks (tiles up to 4 x
-    ``_SWIGLU_BWD_COLUMNS`` wide)."""
-    g_lo, g_hi = _column_halves(g)
-    cols_lo, cols_hi = cols.reshape(2, cols.shape[0] // 2).permute(1, 0).split()
-    mask_lo, mask_hi = mask_n.reshape(2, mask_n.shape[0] // 2).permute(1, 0).split()
-    _swiglu_bwd_half(g_lo, rows, mask_m, cols_lo, mask_lo, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                     stride_cm, stride_auxm)
-    _swiglu_bwd_half(g_hi, rows, mask_m, cols_hi, mask_hi, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                     stride_cm, stride_auxm)
-
-
 @triton.jit
 def _tile_store(
     acc, acc3, rows, mask_m, cols, mask_n, c_rows,
@@ -377,20 +316,13 @@ def _tile_store(
         h = swiglu_forward_math(a1, a3)
         _store(c_ptr, c_offs, mask_c, h.to(out_ty), c_desc, row0, n0, full, C_DESC)
     elif MODE == _SWIGLU_BWD:
-        if acc.shape[1] > 2 * _SWIGLU_BWD_COLUMNS:
-            # A wide tile's epilogue in column blocks, one after the other, through
-            # pointers: its a1, a3 and gradients never all live in registers at once.
-            # (Tiles up to two blocks wide, the megakernel's, run it whole.)
-            _swiglu_bwd_halves(acc, rows, mask_m, cols, mask_n, c_rows, c_ptr, c2_ptr, aux1_ptr, aux3_ptr,
-                               stride_cm, stride_auxm)
-        else:
-            # The gradient of h rounded to the storage dtype first, as the separate GEMM and
-            # SwiGLU backward (``uniep.kernels.swiglu``) compute it: the same bits either way.
-            d_a1, d_a3 = swiglu_backward_math(acc.to(out_ty).to(tl.float32),
-                                              tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0),
-                                              tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0))
-            _store(c_ptr, c_offs, mask_c, d_a1.to(out_ty), c_desc, row0, n0, full, C_DESC)
-            _store(c2_ptr, c_offs, mask_c, d_a3.to(out_ty), c2_desc, row0, n0, full, C_DESC)
+        # The gradient of h rounded to the storage dtype first, as the separate GEMM and
+        # SwiGLU backward (``uniep.kernels.swiglu``) compute it: the same bits either way.
+        d_a1, d_a3 = swiglu_backward_math(acc.to(out_ty).to(tl.float32),
+                                          tl.load(aux1_ptr + aux_offs, mask=mask_c, other=0.0),
+                                          tl.load(aux3_ptr + aux_offs, mask=mask_c, other=0.0))
+        _store(c_ptr, c_offs, mask_c, d_a1.to(out_ty), c_desc, row0, n0, full, C_DESC)
+        _store(c2_ptr, c_offs, mask_c, d_a3.to(out_ty), c2_desc, row0, n0, full, C_DESC)
     else:
         _store(c_ptr, c_offs, mask_c, acc.to(out_ty), c_desc, row0, n0, full, C_DESC)
 
