@@ -389,7 +389,7 @@ def main() -> None:
               f"{r.peak_gib:.2f} | {r.vs_eager:.2f} | {r.vs_compiled:.2f} | {r.fwd_bwd_back_to_back_ms:.2f} | "
               f"{r.vs_eager_back_to_back:.2f} | {r.vs_compiled_back_to_back:.2f} | "
               + " | ".join(format_or_dash(v, f) for v, f in ((r.sustained_ms, ".2f"), (r.vs_compiled_sustained, ".2f"),
-                                                  (r.sustained_joules, ".2f"), (r.vs_compiled_energy, ".2f")))
+                                                            (r.sustained_joules, ".2f"), (r.vs_compiled_energy, ".2f")))
               + f" | {r.rel_err_out:.2e} | {r.rel_err_grad_x:.2e} |")
     if args.json:
         with open(args.json, "w") as f:
