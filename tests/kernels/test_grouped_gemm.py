@@ -179,6 +179,34 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("descriptors", [False, True])
+def test_half_cols_give_the_bits_of_full_cols(descriptors):
+    """Output widths that leave a last column tile of at most half the tile (H = 40 and
+    D = 48 on 32-wide tiles: 8 and 16 columns): every launch the same bits with the
+    half-width dots as without, and gate/up's pre-activations those of fp32 PyTorch."""
+    import dataclasses
+
+    from uniep.kernels.grouped_gemm import runs_half_cols
+
+    gen = torch.Generator().manual_seed(8)
+    counts = torch.tensor([5, 32, 0, 33, 18])  # an even number of rows: 44 tokens, K = 2
+    K, P, D, H = 2, int(counts.sum()), 48, 40
+    x, w1, w2, w3, grad_y = _expert_inputs(counts, K, gen, D=D, H=H)
+    full = dataclasses.replace(TILES, block_n=32, descriptors=descriptors)
+    half = dataclasses.replace(full, half_cols=True)
+    assert [runs_half_cols(half, n) for n in (H, D, 64, 56)] == [True, True, False, False]  # 56: a 24-column tail
+    assert not runs_half_cols(full, H) and not runs_half_cols(dataclasses.replace(half, block_n=16), 24)
+    full_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, full)
+    half_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, half)
+    assert [torch.equal(a, b) for a, b in zip(full_runs, half_runs)] == [True] * len(full_runs)
+    # a half tile on the wrong columns (or none stored) would differ from fp32 here too
+    off = row_tiles(counts, half.block_m, P)
+    rows = torch.randn(P, D, generator=gen)
+    _, a1, _ = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=half, mode=SWIGLU_FWD, w2_E=w3)
+    torch.testing.assert_close(a1, grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("half_tiles", [False, True])
 def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
     """Full row tiles stored through descriptors, partial ones (an expert's last) through

@@ -106,6 +106,11 @@ class GemmTiles:
     rows); the bits are the same. Their staging tile counts in the shared-memory fit and
     ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
     depends on the tiles only."""
+    half_cols: bool = False
+    """Row GEMMs whose output width N leaves a last column tile of at most ``block_n / 2``
+    columns (N = 1408 on 256-wide tiles): that tile runs a dot of half the columns
+    instead of multiplying zero-filled weight columns (not below 16 columns); the bits
+    are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -203,7 +208,7 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores, c.gemm_half_cols)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
@@ -385,7 +390,7 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HALF_TILES: tl.constexpr, HALF_COLS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -397,6 +402,8 @@ def _grouped_gemm_kernel(
     a2_half_desc = a2_ptr
     b_desc = b_ptr
     b2_desc = b2_ptr
+    b_half_desc = b_ptr
+    b2_half_desc = b2_ptr
     if A_DESC:  # blocks (BLOCK_M, BLOCK_K), and (BLOCK_M / 2, BLOCK_K) for the half tiles
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
         if HALF_TILES:
@@ -406,12 +413,18 @@ def _grouped_gemm_kernel(
             if HALF_TILES:
                 a2_half_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1],
                                                          [BLOCK_M // 2, BLOCK_K])
-    if B_DESC:
+    if B_DESC:  # blocks of BLOCK_N columns, and of BLOCK_N / 2 for the last column tile
         b_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                     BLOCK_N, BLOCK_K)
+        if HALF_COLS:
+            b_half_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn,
+                                             B_TRANSPOSED, BLOCK_N // 2, BLOCK_K)
         if MODE == _SWIGLU_FWD or MODE == _DUAL:
             b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                          BLOCK_N, BLOCK_K)
+            if HALF_COLS:
+                b2_half_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn,
+                                                  B_TRANSPOSED, BLOCK_N // 2, BLOCK_K)
     c_desc = c_ptr
     c2_desc = c2_ptr
     aux1_desc = aux1_ptr
@@ -440,6 +453,14 @@ def _grouped_gemm_kernel(
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
                       BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        elif HALF_COLS and N - n0 <= BLOCK_N // 2:
+            # The last column tile, at most half as wide: the dot on half the columns
+            # (each column's dot product is the same, so are its bits), stored through pointers.
+            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                      stride_auxm, a_desc, a2_desc, b_half_desc, b2_half_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
+                      BLOCK_M, BLOCK_N // 2, BLOCK_K, DOT_PRECISION)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
@@ -473,6 +494,13 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_
     if device.type != "cuda":
         return max(1, min(4, upper_tiles))
     return max(1, min(sm_count(device) * per_sm, upper_tiles))
+
+
+def runs_half_cols(tiles: GemmTiles, N: int) -> bool:
+    """Whether a row GEMM of output width ``N`` runs its last column tile at half width
+    (``GemmTiles.half_cols``): it holds at most half the columns, and a half is at
+    least the 16 columns a GPU dot needs."""
+    return tiles.half_cols and tiles.block_n >= 32 and 0 < N % tiles.block_n <= tiles.block_n // 2
 
 
 def tma_readable(t: torch.Tensor | None) -> bool:
@@ -585,6 +613,7 @@ def grouped_gemm(
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
+        HALF_COLS=runs_half_cols(tiles, N),
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
