@@ -79,13 +79,6 @@ def _accumulate_rows(
 
 
 @triton.jit
-def _expert_rows(expert_offsets_ptr, e, valid):
-    """(first row, end row) of expert ``e`` (0s where not ``valid``)."""
-    return (tl.load(expert_offsets_ptr + e, mask=valid, other=0),
-            tl.load(expert_offsets_ptr + e + 1, mask=valid, other=0))
-
-
-@triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,  # (rows, M)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
@@ -116,15 +109,8 @@ def _grouped_wgrad_kernel(
     # Within an expert's row tile of A, the tiles of B2 follow B's: one accumulator per
     # tile, and the programs running at once share the expert's rows in L2.
     stacked_tiles = HALVES * n_tiles
-    expert_tiles = m_tiles * stacked_tiles
-    total_tiles = num_experts * expert_tiles
-    # Each tile's expert rows are loaded one tile ahead, so their latency hides under the
-    # previous tile's loop instead of delaying this tile's first loads.
-    row_start, row_end = _expert_rows(expert_offsets_ptr, pid // expert_tiles, pid < total_tiles)
-    for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        next_tile = tile + NUM_PROGRAMS
-        next_start, next_end = _expert_rows(expert_offsets_ptr, next_tile // expert_tiles, next_tile < total_tiles)
-        e = tile // expert_tiles
+    for tile in range(pid, num_experts * m_tiles * stacked_tiles, NUM_PROGRAMS):
+        e = tile // (m_tiles * stacked_tiles)
         m0 = (tile // stacked_tiles % m_tiles) * BLOCK_M
         n_stacked = tile % stacked_tiles
         half = n_stacked // n_tiles
@@ -133,6 +119,8 @@ def _grouped_wgrad_kernel(
         cols_n = n0 + tl.arange(0, BLOCK_N)
         mask_m = cols_m < M
         mask_n = cols_n < N
+        row_start = tl.load(expert_offsets_ptr + e)
+        row_end = tl.load(expert_offsets_ptr + e + 1)
         b_shift = half * rows_b  # int32: descriptor coordinates are 32-bit
         # Full chunks first (descriptor loads where the operand is not gathered), then the
         # partial last chunk through masked pointers, unpipelined (no second set of
@@ -159,7 +147,6 @@ def _grouped_wgrad_kernel(
                 tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
             else:
                 tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
-        row_start, row_end = next_start, next_end
 
 
 def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
