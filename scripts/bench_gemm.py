@@ -101,6 +101,8 @@ VARIANTS = {
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     # a last column tile of at most half the width on a full-width dot (before gemm_half_cols)
     "full_cols": dict(gemm_half_cols=False),
+    # the up input gradient's two reductions one loop after the other (before up_dgrad_one_loop)
+    "up_dgrad_two_loops": dict(up_dgrad_one_loop=False),
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
