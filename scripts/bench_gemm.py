@@ -99,10 +99,6 @@ VARIANTS = {
     # full row tiles of the plan-order outputs stored through descriptors (the same bits)
     "store_descriptors": dict(descriptor_stores=True),
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
-    # a last column tile of at most half the width on a full-width dot (before gemm_half_cols)
-    "full_cols": dict(gemm_half_cols=False),
-    # the up input gradient's two reductions one loop after the other (before up_dgrad_one_loop)
-    "up_dgrad_two_loops": dict(up_dgrad_one_loop=False),
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
@@ -110,7 +106,7 @@ VARIANTS = {
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles", "gemm_half_cols",
+                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
                   "swiglu_bwd_fused", "gather_in_kernel"}
 
 

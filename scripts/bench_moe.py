@@ -63,9 +63,7 @@ SWEEP = {
     "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
     "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
     "full_tiles": dict(gemm_half_tiles=False),
-    "full_cols": dict(gemm_half_cols=False),  # a last half-width column tile on a full-width dot
-    "up_dgrad_two_loops": dict(up_dgrad_one_loop=False),  # the up input gradient's reductions one after the other
-    "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
+    "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),  # weight gradients on 32-row steps
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream

@@ -64,14 +64,6 @@ class UniEPConfig:
     gemm_half_tiles: bool = False
     """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
     half the rows (the forward and input-gradient GEMMs). Does not change bits."""
-    up_dgrad_one_loop: bool = True
-    """The up input gradient (d a1 w1 + d a3 w3) sums both products in one pipelined loop,
-    a step of each in turn (True), or one after the other in two loops, whose pipeline
-    drains and refills between them (False). May change bits."""
-    gemm_half_cols: bool = True
-    """The last column tile of a forward or input-gradient GEMM, where it holds at most
-    ``gemm_block_n / 2`` columns (DeepSeek-V3-16B's 1408-wide down input gradient on
-    256-wide tiles), runs a dot of half the columns. Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster

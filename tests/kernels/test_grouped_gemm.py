@@ -179,69 +179,6 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("descriptors", [False, True])
-def test_half_cols_give_the_bits_of_full_cols(descriptors):
-    """Output widths that leave a last column tile of at most half the tile (H = 40 and
-    D = 48 on 32-wide tiles: 8 and 16 columns): every launch the same bits with the
-    half-width dots as without, and gate/up's pre-activations those of fp32 PyTorch."""
-    import dataclasses
-
-    from uniep.kernels.grouped_gemm import runs_half_cols
-
-    gen = torch.Generator().manual_seed(8)
-    counts = torch.tensor([5, 32, 0, 33, 18])  # an even number of rows: 44 tokens, K = 2
-    K, P, D, H = 2, int(counts.sum()), 48, 40
-    x, w1, w2, w3, grad_y = _expert_inputs(counts, K, gen, D=D, H=H)
-    full = dataclasses.replace(TILES, block_n=32, descriptors=descriptors, half_cols=False)
-    half = dataclasses.replace(full, half_cols=True)
-    assert [runs_half_cols(half, n) for n in (H, D, 64, 56)] == [True, True, False, False]  # 56: a 24-column tail
-    assert not runs_half_cols(full, H) and not runs_half_cols(dataclasses.replace(half, block_n=16), 24)
-    full_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, full)
-    half_runs = _all_launches(x, w1, w2, w3, grad_y, counts, K, half)
-    assert [torch.equal(a, b) for a, b in zip(full_runs, half_runs)] == [True] * len(full_runs)
-    # a half tile on the wrong columns (or none stored) would differ from fp32 here too
-    off = row_tiles(counts, half.block_m, P)
-    rows = torch.randn(P, D, generator=gen)
-    _, a1, _ = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=half, mode=SWIGLU_FWD, w2_E=w3)
-    torch.testing.assert_close(a1, grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("descriptors", [False, True])
-def test_up_input_gradient_in_one_loop(descriptors):
-    """DUAL with both reductions in one loop, a step of each in turn: d a1 w1 + d a3 w3 as
-    in fp32 PyTorch (so as the two loops one after the other), scattered to (token, k)
-    order, the same bits for any number of programs; a wrong second product (w1 twice,
-    as a mixed-up descriptor would read) is far off."""
-    import dataclasses
-
-    from uniep.kernels.grouped_gemm import DUAL, operand_tiles
-
-    gen = torch.Generator().manual_seed(9)
-    counts = torch.tensor([5, 32, 0, 33, 18])
-    P, E, D, H = int(counts.sum()), 5, 24, 40  # H: a reduction of two full 16-steps and a partial one
-    d_a1, d_a3 = torch.randn(P, H, generator=gen), torch.randn(P, H, generator=gen)
-    w1, w3 = torch.randn(E, H, D, generator=gen), torch.randn(E, H, D, generator=gen)
-    pair = torch.randperm(P, generator=gen).to(torch.int32)
-    off = row_tiles(counts, TILES.block_m, P)
-    one = dataclasses.replace(TILES, descriptors=descriptors, dual_one_loop=True)
-    two = dataclasses.replace(one, dual_one_loop=False)
-    assert operand_tiles(one, DUAL) == (2, 2) and operand_tiles(two, DUAL) == (1, 1)
-
-    def up_dgrad(tiles, w3_E=w3):
-        return grouped_gemm(d_a1, w1, off, P, transpose_w=False, tiles=tiles, mode=DUAL, a2=d_a3, w2_E=w3_E, c_row=pair)
-
-    out = up_dgrad(one)
-    ref = (grouped_gemm_reference(d_a1, w1, counts.tolist(), transpose_w=False)
-           + grouped_gemm_reference(d_a3, w3, counts.tolist(), transpose_w=False))
-    expected = torch.empty_like(ref)
-    expected[pair.long()] = ref
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(up_dgrad(two), out, rtol=1e-5, atol=1e-5)
-    assert torch.equal(up_dgrad(dataclasses.replace(one, num_programs=1)), out)
-    assert (up_dgrad(one, w3_E=w1) - expected).abs().max() > 1.0
-
-
 @pytest.mark.parametrize("half_tiles", [False, True])
 def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
     """Full row tiles stored through descriptors, partial ones (an expert's last) through

@@ -23,22 +23,14 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from uniep.config import UniEPConfig  # noqa: E402
-from uniep.kernels.grouped_gemm import DUAL, H200_SMEM_PER_BLOCK, ExpertTiles, operand_tiles  # noqa: E402
+from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK, ExpertTiles  # noqa: E402
 
 
-def _fp32_fitted(kind: str, a_tiles: int = 1, b_tiles: int = 1) -> dict:
+def _fp32_fitted(kind: str, b_tiles: int = 1) -> dict:
     """The default tiles of launch ``kind`` (an ``ExpertTiles`` field) fitted for float32
     IEEE dots, as kernel constants."""
-    t = getattr(ExpertTiles.from_config(UniEPConfig()), kind).fitted(torch.float32, torch.device("cpu"), a_tiles, b_tiles)
+    t = getattr(ExpertTiles.from_config(UniEPConfig()), kind).fitted(torch.float32, torch.device("cpu"), b_tiles=b_tiles)
     return dict(dtype="fp32", DOT_PRECISION="ieee", BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_stages=t.num_stages)
-
-
-def _up_dgrad(**changes) -> tuple:
-    """The up input gradient's case at the default tiles, its stages fitted as the launch
-    fits them (one loop: two row operands and two weights per stage)."""
-    tiles = ExpertTiles.from_config(UniEPConfig()).gemm
-    stages = tiles.fitted(torch.bfloat16, torch.device("cpu"), *operand_tiles(tiles, DUAL)).num_stages
-    return GEMM, dict(MODE=DUAL, B_TRANSPOSED=False, HAS_C_ROW=True, num_stages=stages, **changes)
 
 
 # Cases: (kernel, constants that differ from the defaults below). Each is a
@@ -51,15 +43,12 @@ CASES = {
     "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
     "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
     "down input gradient": (GEMM, dict(MODE=0, B_TRANSPOSED=False)),
-    "up input gradient": _up_dgrad(),
-    "up input gradient, two loops": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True, DUAL_ONE_LOOP=False)),
+    "up input gradient": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True)),
     "megakernel down input gradient": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128)),
     "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
     "gate/up, half tiles": (GEMM, dict(MODE=1, BLOCK_N=128, HALF_TILES=True)),
     "down, half tiles": (GEMM, dict(MODE=0, HAS_C_ROW=True, HALF_TILES=True)),
-    "up input gradient, half tiles": _up_dgrad(HALF_TILES=True),
-    "down input gradient, half columns (DeepSeek-V3-16B)": (GEMM, dict(MODE=0, B_TRANSPOSED=False, HALF_COLS=True)),
-    "up input gradient, half tiles and columns": _up_dgrad(HALF_TILES=True, HALF_COLS=True),
+    "up input gradient, half tiles": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True, HALF_TILES=True)),
     "gate/up, descriptor stores": (GEMM, dict(MODE=1, BLOCK_N=128, C_DESC=True)),
     "down input gradient, descriptor stores": (GEMM, dict(MODE=0, B_TRANSPOSED=False, C_DESC=True)),
     "SwiGLU backward epilogue, descriptor stores": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128, C_DESC=True)),
@@ -75,7 +64,7 @@ CASES = {
     "float32 gate/up, fitted": (GEMM, dict(MODE=1, **_fp32_fitted("up", b_tiles=2))),
     "float32 down, scattered to (token, k), fitted": (GEMM, dict(MODE=0, HAS_C_ROW=True, **_fp32_fitted("gemm"))),
     "float32 up input gradient, fitted": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True,
-                                                     **_fp32_fitted("gemm", 2, 2))),
+                                                     **_fp32_fitted("gemm"))),
     "float32 w1/w3 gradient, fitted": (WGRAD, dict(HALVES=2, **_fp32_fitted("wgrad_up"))),
     "float32 at the bf16 tiles (control)": (GEMM, dict(MODE=0, dtype="fp32", DOT_PRECISION="ieee", num_stages=2)),
     # the controls: a kernel the compiler rejects (tl.arange of 96), tiles too large
@@ -106,8 +95,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", tile_offsets_ptr="*i32",
                       table_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
-                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, HALF_COLS=False, DUAL_ONE_LOOP=True, NUM_PROGRAMS=132,
-                         BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, NUM_PROGRAMS=132, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
                          DOT_PRECISION="tf32")
     elif kind in (ROUTER, ROUTER_BWD):
         kernel = (router_select._router_select_kernel if kind == ROUTER

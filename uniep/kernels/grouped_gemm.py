@@ -106,16 +106,6 @@ class GemmTiles:
     rows); the bits are the same. Their staging tile counts in the shared-memory fit and
     ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
     depends on the tiles only."""
-    dual_one_loop: bool = True
-    """DUAL (the up input gradient, d a1 w1 + d a3 w3): both reductions in one pipelined
-    loop, a step of each per iteration, instead of one loop after the other (whose
-    pipeline drains and refills between them). Changes the order of the fp32 sum, so the
-    bits; two operand pairs per stage in the shared-memory fit."""
-    half_cols: bool = True
-    """Row GEMMs whose output width N leaves a last column tile of at most ``block_n / 2``
-    columns (N = 1408 on 256-wide tiles): that tile runs a dot of half the columns
-    instead of multiplying zero-filled weight columns (not below 16 columns); the bits
-    are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -213,8 +203,7 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores, c.up_dgrad_one_loop,
-                         c.gemm_half_cols)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
@@ -258,12 +247,10 @@ def _tile_accumulate(
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     a_desc=None, a2_desc=None, b_desc=None, b2_desc=None, row0=0, n0=0,
     A_DESC: tl.constexpr = False, B_DESC: tl.constexpr = False, B_TRANSPOSED: tl.constexpr = False,
-    DUAL_ONE_LOOP: tl.constexpr = False,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
-    The reduction runs over Kd in order (DUAL: all of A B, then all of A2 B2, or with
-    ``DUAL_ONE_LOOP`` alternating steps of the two), so the bits depend on BLOCK_K and
-    ``DUAL_ONE_LOOP`` only (not on whether the operands come through descriptors or pointers)."""
+    The reduction runs over Kd in order, so the bits depend on BLOCK_K only (not on
+    whether the operands come through descriptors or pointers)."""
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
@@ -282,12 +269,7 @@ def _tile_accumulate(
             b3 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
                          B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
             acc3 = tl.dot(a, b3, acc3, input_precision=DOT_PRECISION)
-        if MODE == _DUAL and DUAL_ONE_LOOP:
-            a2 = _a_tile(a2_ptr, a2_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
-            b2 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
-                         B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
-            acc = tl.dot(a2, b2, acc, input_precision=DOT_PRECISION)
-    if MODE == _DUAL and not DUAL_ONE_LOOP:
+    if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             ks = k + offs_k
             mask_k = ks < Kd
@@ -365,7 +347,6 @@ def _row_tile(
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DUAL_ONE_LOOP: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
     rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
@@ -381,7 +362,7 @@ def _row_tile(
     acc, acc3 = _tile_accumulate(
         e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
         Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED, DUAL_ONE_LOOP,
+        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
     )
     _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                 c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE,
@@ -404,7 +385,7 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    HALF_TILES: tl.constexpr, HALF_COLS: tl.constexpr, DUAL_ONE_LOOP: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -416,8 +397,6 @@ def _grouped_gemm_kernel(
     a2_half_desc = a2_ptr
     b_desc = b_ptr
     b2_desc = b2_ptr
-    b_half_desc = b_ptr
-    b2_half_desc = b2_ptr
     if A_DESC:  # blocks (BLOCK_M, BLOCK_K), and (BLOCK_M / 2, BLOCK_K) for the half tiles
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, Kd], [stride_am, 1], [BLOCK_M, BLOCK_K])
         if HALF_TILES:
@@ -427,18 +406,12 @@ def _grouped_gemm_kernel(
             if HALF_TILES:
                 a2_half_desc = tl.make_tensor_descriptor(a2_ptr, [rows_a, Kd], [stride_am, 1],
                                                          [BLOCK_M // 2, BLOCK_K])
-    if B_DESC:  # blocks of BLOCK_N columns, and of BLOCK_N / 2 for the last column tile
+    if B_DESC:
         b_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                     BLOCK_N, BLOCK_K)
-        if HALF_COLS:
-            b_half_desc = _weight_descriptor(b_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn,
-                                             B_TRANSPOSED, BLOCK_N // 2, BLOCK_K)
         if MODE == _SWIGLU_FWD or MODE == _DUAL:
             b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                          BLOCK_N, BLOCK_K)
-            if HALF_COLS:
-                b2_half_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn,
-                                                  B_TRANSPOSED, BLOCK_N // 2, BLOCK_K)
     c_desc = c_ptr
     c2_desc = c2_ptr
     aux1_desc = aux1_ptr
@@ -466,32 +439,14 @@ def _grouped_gemm_kernel(
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
-                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, DUAL_ONE_LOOP)
-        elif HALF_COLS and N - n0 <= BLOCK_N // 2:
-            # The last column tile, at most half as wide: the dot on half the columns
-            # (each column's dot product is the same, so are its bits), stored through pointers.
-            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_desc, a2_desc, b_half_desc, b2_half_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
-                      BLOCK_M, BLOCK_N // 2, BLOCK_K, DOT_PRECISION, DUAL_ONE_LOOP)
+                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
-                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DUAL_ONE_LOOP)
+                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         e, row0, row_end = next_e, next_row0, next_row_end
-
-
-def operand_tiles(tiles: GemmTiles, mode: int) -> tuple[int, int]:
-    """(A tiles, B tiles) one pipeline stage of a ``mode`` launch holds: gate/up reads
-    two weights per step, DUAL in one loop two row operands and two weights."""
-    if mode == SWIGLU_FWD:
-        return 1, 2
-    if mode == DUAL and tiles.dual_one_loop:
-        return 2, 2
-    return 1, 1
 
 
 def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mode: int = PLAIN) -> int:
@@ -505,9 +460,8 @@ def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mod
     accumulators = {SWIGLU_FWD: 2, SWIGLU_BWD: 3}.get(mode, 1)
     threads = 32 * tiles.num_warps
     regs = min(255, max(64, 2 * accumulators * tiles.block_m * tiles.block_n // threads))
-    a_tiles, b_tiles = operand_tiles(tiles, mode)
     smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes,
-                               a_tiles, b_tiles, c_tiles=int(tiles.store_descriptors))
+                               b_tiles=2 if mode == SWIGLU_FWD else 1, c_tiles=int(tiles.store_descriptors))
     return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
 
 
@@ -519,13 +473,6 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_
     if device.type != "cuda":
         return max(1, min(4, upper_tiles))
     return max(1, min(sm_count(device) * per_sm, upper_tiles))
-
-
-def runs_half_cols(tiles: GemmTiles, N: int) -> bool:
-    """Whether a row GEMM of output width ``N`` runs its last column tile at half width
-    (``GemmTiles.half_cols``): it holds at most half the columns, and a half is at
-    least the 16 columns a GPU dot needs."""
-    return tiles.half_cols and tiles.block_n >= 32 and 0 < N % tiles.block_n <= tiles.block_n // 2
 
 
 def tma_readable(t: torch.Tensor | None) -> bool:
@@ -596,7 +543,7 @@ def grouped_gemm(
     Returns ``C`` (PLAIN, DUAL), ``(h, a1, a3)`` (SWIGLU_FWD) or ``(d_a1, d_a3)`` (SWIGLU_BWD).
     """
     num_experts = w_E.shape[0]
-    tiles = tiles.fitted(a.dtype, a.device, *operand_tiles(tiles, mode))
+    tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
     if a.shape[1] != Kd or not a.is_contiguous():
         raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")
@@ -638,7 +585,6 @@ def grouped_gemm(
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
-        HALF_COLS=runs_half_cols(tiles, N), DUAL_ONE_LOOP=tiles.dual_one_loop,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
