@@ -59,7 +59,7 @@ from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: 
 # (the megakernel's way, on the gate/up tiles) instead of a plain GEMM and an
 # elementwise launch; "gather_in_kernel": the gate/up launch and the w1/w3 gradient
 # gather their token rows in the kernel (pointer loads) instead of reading a plan-order
-# copy through descriptors; "paired_weights": w1 and w3 as the halves of one tensor
+# copy through descriptors
 VARIANTS = {
     "default": {},
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
@@ -102,14 +102,12 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
-    # w1 and w3 as halves of one tensor: gate/up runs one dot twice as wide (the same bits)
-    "paired_weights": dict(paired_weights=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "paired_weights"}
+                  "swiglu_bwd_fused", "gather_in_kernel"}
 
 
 def make_problem(shape: str, device: str, seed: int = 0) -> dict:
@@ -147,7 +145,6 @@ def launches(p: dict, knobs: dict) -> dict:
     read are computed once here."""
     knobs = dict(knobs)
     fused, gather_in_kernel = knobs.pop("swiglu_bwd_fused", False), knobs.pop("gather_in_kernel", False)
-    w1, w3 = torch.stack([p["w1"], p["w3"]]) if knobs.pop("paired_weights", False) else (p["w1"], p["w3"])
     tiles = ExpertTiles.from_config(dataclasses.replace(UniEPConfig(), **knobs))
     gemm, up, wgrad, wgrad_up = tiles.gemm, tiles.up, tiles.wgrad, tiles.wgrad_up
     P, E, x, token_of_row = p["P"], p["E"], p["x"], p["token_of_row"]
@@ -159,7 +156,7 @@ def launches(p: dict, knobs: dict) -> dict:
     rows, row_index = gather_rows(), (token_of_row if gather_in_kernel else None)
 
     def gate_up():
-        return grouped_gemm(rows, w1, schedule, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD, w2_E=w3,
+        return grouped_gemm(rows, p["w1"], schedule, P, transpose_w=True, tiles=up, mode=SWIGLU_FWD, w2_E=p["w3"],
                             a_row=row_index)
 
     h, a1, a3 = gate_up()

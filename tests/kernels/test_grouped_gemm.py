@@ -179,41 +179,6 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_m, half_tiles", [(16, False), (32, True)])
-def test_paired_gate_up_weights_give_the_bits_of_separate_ones(block_m, half_tiles):
-    """w1 and w3 as the two halves of one (2, E, H, D) tensor: gate/up reads a block of
-    each through one descriptor into one dot twice as wide, then splits it. The same
-    bits as separate weights (H = 40: a partial last column tile, rows gathered and
-    scaled, half tiles), a1 and a3 each those of fp32 PyTorch (halves swapped in the
-    split would fail), and only adjacent halves count as paired."""
-    import dataclasses
-
-    from uniep.kernels.grouped_gemm import weights_paired
-
-    gen = torch.Generator().manual_seed(10)
-    counts = torch.tensor([5, 32, 0, 33, 18])
-    K, P, E, D, H = 2, int(counts.sum()), 5, 24, 40
-    x = torch.randn(P // K, D, generator=gen)
-    w13 = torch.randn(2, E, H, D, generator=gen)
-    token = (torch.randperm(P, generator=gen) // K).to(torch.int32)
-    scale = torch.rand(P, generator=gen)
-    assert weights_paired(w13[0], w13[1])
-    assert not weights_paired(w13[1], w13[0]) and not weights_paired(w13[0], w13[1].clone())
-    tiles = dataclasses.replace(TILES, block_m=block_m, descriptors=True, half_tiles=half_tiles)
-    off = row_tiles(counts, block_m, P)
-
-    def gate_up(w1, w3):
-        return grouped_gemm(x, w1, off, P, transpose_w=True, tiles=tiles, mode=SWIGLU_FWD, w2_E=w3, a_row=token,
-                            a_scale=scale)
-
-    paired, separate = gate_up(w13[0], w13[1]), gate_up(w13[0].clone(), w13[1].clone())
-    assert [torch.equal(a, b) for a, b in zip(paired, separate)] == [True] * 3
-    rows = x[token.long()] * scale[:, None]
-    for got, w in ((paired[1], w13[0]), (paired[2], w13[1])):
-        torch.testing.assert_close(got, grouped_gemm_reference(rows, w, counts.tolist(), transpose_w=True),
-                                   rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("half_tiles", [False, True])
 def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
     """Full row tiles stored through descriptors, partial ones (an expert's last) through

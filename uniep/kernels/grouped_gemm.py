@@ -247,40 +247,28 @@ def _tile_accumulate(
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     a_desc=None, a2_desc=None, b_desc=None, b2_desc=None, row0=0, n0=0,
     A_DESC: tl.constexpr = False, B_DESC: tl.constexpr = False, B_TRANSPOSED: tl.constexpr = False,
-    pair_desc=None, B_PAIR: tl.constexpr = False,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
     The reduction runs over Kd in order, so the bits depend on BLOCK_K only (not on
-    whether the operands come through descriptors or pointers, or, with ``B_PAIR``
-    (SWIGLU_FWD, B and B2 one after the other in memory), on whether both come through
-    one descriptor into one dot twice as wide)."""
+    whether the operands come through descriptors or pointers)."""
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if B_PAIR:
-        acc_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k in range(0, Kd, BLOCK_K):
         ks = k + offs_k
         mask_k = ks < Kd
         a = _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
         if HAS_A_SCALE:
             a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
-        if B_PAIR:
-            # B's and B2's (BLOCK_N, BLOCK_K) blocks side by side: one (BLOCK_K, 2 BLOCK_N) operand
-            b_pair = tl.trans(pair_desc.load([0, e, n0, k]).reshape(2 * BLOCK_N, BLOCK_K))
-            acc_pair = tl.dot(a, b_pair, acc_pair, input_precision=DOT_PRECISION)
-        else:
-            b = _b_tile(b_base, b_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
-                        B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if MODE == _SWIGLU_FWD:
-                b3 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
-                             B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
-                acc3 = tl.dot(a, b3, acc3, input_precision=DOT_PRECISION)
-    if B_PAIR:
-        acc, acc3 = tl.split(tl.permute(tl.reshape(acc_pair, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        b = _b_tile(b_base, b_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+                    B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if MODE == _SWIGLU_FWD:
+            b3 = _b_tile(b2_base, b2_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, stride_bn,
+                         B_DESC, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+            acc3 = tl.dot(a, b3, acc3, input_precision=DOT_PRECISION)
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             ks = k + offs_k
@@ -355,10 +343,9 @@ def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_b
 def _row_tile(
     e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
     aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
-    a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc, pair_desc,
+    a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    B_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
@@ -375,7 +362,7 @@ def _row_tile(
     acc, acc3 = _tile_accumulate(
         e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
         Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED, pair_desc, B_PAIR,
+        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
     )
     _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                 c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE,
@@ -394,11 +381,11 @@ def _grouped_gemm_kernel(
     tile_offsets_ptr,  # (E+1,) int32 row-tile offsets
     table_ptr,  # (T, 3) int32: expert, first row, end row of each row tile (``row_tiles``)
     N, Kd, num_experts, rows_a, rows_c, rows_aux,
-    stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm, stride_pair,
+    stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    B_PAIR: tl.constexpr, HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -425,10 +412,6 @@ def _grouped_gemm_kernel(
         if MODE == _SWIGLU_FWD or MODE == _DUAL:
             b2_desc = _weight_descriptor(b2_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_bn, B_TRANSPOSED,
                                          BLOCK_N, BLOCK_K)
-    pair_desc = b_ptr
-    if B_PAIR:  # B2 = B + stride_pair in memory (SWIGLU_FWD, B transposed): both in one block
-        pair_desc = tl.make_tensor_descriptor(b_ptr, [2, num_experts, N, Kd], [stride_pair, stride_be, stride_bn, 1],
-                                              [2, 1, BLOCK_N, BLOCK_K])
     c_desc = c_ptr
     c2_desc = c2_ptr
     aux1_desc = aux1_ptr
@@ -455,13 +438,13 @@ def _grouped_gemm_kernel(
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                      pair_desc, MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False, B_PAIR,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
                       BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                      pair_desc, MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC, B_PAIR,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         e, row0, row_end = next_e, next_row0, next_row_end
 
@@ -490,14 +473,6 @@ def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_
     if device.type != "cuda":
         return max(1, min(4, upper_tiles))
     return max(1, min(sm_count(device) * per_sm, upper_tiles))
-
-
-def weights_paired(w_E: torch.Tensor, w2_E: torch.Tensor | None) -> bool:
-    """Whether ``w2_E`` directly follows ``w_E`` in memory, both contiguous and of one
-    shape (halves of one (2, E, ...) tensor): a gate/up launch then reads a block of
-    each through one descriptor, for one dot over both."""
-    return (w2_E is not None and w2_E.shape == w_E.shape and w_E.is_contiguous() and w2_E.is_contiguous()
-            and w2_E.data_ptr() == w_E.data_ptr() + w_E.numel() * w_E.element_size())
 
 
 def tma_readable(t: torch.Tensor | None) -> bool:
@@ -593,7 +568,6 @@ def grouped_gemm(
     dummy = schedule.tile_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a) and tma_readable(a2)
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
-    b_pair = b_desc and mode == SWIGLU_FWD and transpose_w and weights_paired(w_E, w2_E)
     c_desc = tiles.store_descriptors and c_row is None and all(map(tma_readable, (c, c2, aux1, aux3)))
     if a_desc or b_desc or c_desc:
         use_descriptor_scratch(a.device)
@@ -607,11 +581,10 @@ def grouped_gemm(
         aux1, aux3,
         schedule.tile_offsets, schedule.table,
         N, Kd, num_experts, a.shape[0], c.shape[0], aux1.shape[0],
-        a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0), w_E.numel() if b_pair else 0,
+        a.stride(0), s_be, s_bk, s_bn, c.stride(0), aux1.stride(0),
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
-        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, B_PAIR=b_pair,
-        HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
+        A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
