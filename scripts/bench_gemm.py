@@ -102,14 +102,11 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
-    # an expert's last row tile with zeros, not the next expert's rows, past its end (the same bits)
-    "zero_partial_tiles": dict(gemm_zero_partial_tiles=True),
-    "zero_partial_half_tiles": dict(gemm_zero_partial_tiles=True, gemm_half_tiles=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles", "gemm_zero_partial_tiles",
+                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
                   "swiglu_bwd_fused", "gather_in_kernel"}
 
 

@@ -64,10 +64,6 @@ class UniEPConfig:
     gemm_half_tiles: bool = False
     """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
     half the rows (the forward and input-gradient GEMMs). Does not change bits."""
-    gemm_zero_partial_tiles: bool = False
-    """An expert's last, partial row tile reads its rows through masked pointers, so the
-    rows past the expert enter the dot as zeros, not as the next expert's rows (the
-    forward and input-gradient GEMMs). Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster

@@ -180,29 +180,6 @@ def test_half_tiles_give_the_bits_of_full_tiles(descriptors):
 
 
 @pytest.mark.parametrize("half_tiles", [False, True])
-def test_zero_partial_tiles_give_the_bits_of_descriptor_loads(half_tiles):
-    """An expert's last, partial row tile read through masked pointers (zeros past the
-    expert) instead of the descriptor (the next expert's rows): every launch the same
-    bits, including experts with one row, a full tile, none, and the last expert's tail;
-    and gate/up's pre-activations those of fp32 PyTorch."""
-    import dataclasses
-
-    gen = torch.Generator().manual_seed(11)
-    counts = torch.tensor([1, 32, 0, 33, 17, 47])  # partial, full, empty, full + 1, partial, the last partial
-    K, P = 2, int(counts.sum())
-    x, w1, w2, w3, grad_y = _expert_inputs(counts, K, gen)
-    descriptors = dataclasses.replace(TILES, block_m=32, descriptors=True, half_tiles=half_tiles)
-    zeros = dataclasses.replace(descriptors, zero_partial_tiles=True)
-    runs = [_all_launches(x, w1, w2, w3, grad_y, counts, K, t) for t in (descriptors, zeros)]
-    assert [torch.equal(a, b) for a, b in zip(*runs)] == [True] * len(runs[0])
-    off = row_tiles(counts, 32, P)
-    rows = torch.randn(P, x.shape[1], generator=gen)
-    _, a1, _ = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=zeros, mode=SWIGLU_FWD, w2_E=w3)
-    torch.testing.assert_close(a1, grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("half_tiles", [False, True])
 def test_descriptor_stores_give_the_bits_of_pointer_stores(half_tiles):
     """Full row tiles stored through descriptors, partial ones (an expert's last) through
     pointers: every launch the same bits as pointer stores, the plain-order GEMM too, and

@@ -47,9 +47,6 @@ CASES = {
     "megakernel down input gradient": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128)),
     "pointer loads, rows gathered": (GEMM, dict(A_DESC=False, B_DESC=False, HAS_A_ROW=True)),
     "gate/up, half tiles": (GEMM, dict(MODE=1, BLOCK_N=128, HALF_TILES=True)),
-    "gate/up, zeros in partial tiles": (GEMM, dict(MODE=1, BLOCK_N=128, ZERO_PARTIAL=True)),
-    "up input gradient, zeros in partial tiles": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True,
-                                                             ZERO_PARTIAL=True)),
     "down, half tiles": (GEMM, dict(MODE=0, HAS_C_ROW=True, HALF_TILES=True)),
     "up input gradient, half tiles": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True, HALF_TILES=True)),
     "gate/up, descriptor stores": (GEMM, dict(MODE=1, BLOCK_N=128, C_DESC=True)),
@@ -98,8 +95,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", tile_offsets_ptr="*i32",
                       table_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
-                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, ZERO_PARTIAL=False, NUM_PROGRAMS=132,
-                         BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, NUM_PROGRAMS=132, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
                          DOT_PRECISION="tf32")
     elif kind in (ROUTER, ROUTER_BWD):
         kernel = (router_select._router_select_kernel if kind == ROUTER

@@ -99,12 +99,6 @@ class GemmTiles:
     """Row GEMMs: an expert's last row tile with at most ``block_m / 2`` rows runs a dot of
     half the rows (the row tiles stay ``block_m``; not below 32, where the half would be
     under the 16 rows a GPU dot needs); the bits are the same."""
-    zero_partial_tiles: bool = False
-    """Row GEMMs whose rows come through descriptors: an expert's last, partial row tile
-    loads them through masked pointers instead, so the rows past the expert's end enter
-    the dot as zeros rather than as the next expert's rows (their results are never
-    stored either way; at the power limit a product of zeros costs less energy); the
-    bits are the same."""
     store_descriptors: bool = False
     """Row GEMMs whose outputs are not scattered: full row tiles are stored through
     tensor descriptors (the copy engine, TMA on Hopper), an expert's last partial tile
@@ -209,8 +203,7 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles, c.gemm_zero_partial_tiles,
-                         c.descriptor_stores)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
@@ -392,7 +385,7 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    HALF_TILES: tl.constexpr, ZERO_PARTIAL: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -447,14 +440,6 @@ def _grouped_gemm_kernel(
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
                       BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        elif ZERO_PARTIAL and row_end - row0 < BLOCK_M:
-            # An expert's last, partial tile: its rows through masked pointers, the rows
-            # past the expert as zeros (each row's dot product is the same, so are its bits).
-            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, False, B_DESC, B_TRANSPOSED, False,
-                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
@@ -600,7 +585,6 @@ def grouped_gemm(
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=tiles.half_tiles and tiles.block_m >= 32,
-        ZERO_PARTIAL=tiles.zero_partial_tiles and a_desc,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
