@@ -102,14 +102,11 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
-    # weight gradients through descriptors of each tile's expert rows (the same bits)
-    "wgrad_expert_descriptors": dict(wgrad_expert_descriptors=True),
-    "wgrad_expert_descriptors_bk32_s4": dict(wgrad_expert_descriptors=True, wgrad_block_k=32, wgrad_num_stages=4),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles", "wgrad_expert_descriptors",
+                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
                   "swiglu_bwd_fused", "gather_in_kernel"}
 
 

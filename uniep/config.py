@@ -80,10 +80,6 @@ class UniEPConfig:
     wgrad_up_block_n: int = 128
     """Tile columns of the w1/w3 gradient launch (its w3 tiles follow its w1 tiles, one
     accumulator each) (16..256, power of 2). May change bits."""
-    wgrad_expert_descriptors: bool = False
-    """The weight gradients read each tile's expert rows through descriptors of those rows
-    alone, built per tile in the kernel: the rows past the expert's end arrive as zeros
-    and the partial last chunk runs in the pipelined loop. Does not change bits."""
     wgrad_num_warps: int = 8
     """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
     wgrad_num_stages: int = 3

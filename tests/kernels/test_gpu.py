@@ -106,7 +106,6 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(gemm_num_stages=4, wgrad_num_stages=2),
         dict(gemm_num_warps=4, wgrad_num_warps=4),
         dict(gemm_half_tiles=not UniEPConfig().gemm_half_tiles),
-        dict(wgrad_expert_descriptors=not UniEPConfig().wgrad_expert_descriptors),
         dict(descriptor_stores=not UniEPConfig().descriptor_stores),
         dict(shared_experts_stream=not UniEPConfig().shared_experts_stream),
     ]

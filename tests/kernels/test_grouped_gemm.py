@@ -87,35 +87,6 @@ def test_wgrad_matches_reference(T, K, E, M, N, kind, dtype):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("block_k", [16, 32])
-def test_wgrad_through_expert_descriptors_gives_the_bits_of_the_pointer_tail(block_k):
-    """Descriptors of each tile's expert rows alone (the partial last chunk zero-filled by
-    the descriptor, in the pipelined loop) against the whole-tensor descriptors with the
-    last chunk through masked pointers: the same bits for the w2 gradient and the stacked
-    w1/w3 gradient, with experts of 1, 16, 0, 33 and 17 rows (zeros for the empty one),
-    and both against fp32."""
-    import dataclasses
-
-    gen = torch.Generator().manual_seed(12)
-    counts = torch.tensor([1, 16, 0, 33, 17])
-    P, E, D, H = int(counts.sum()), 5, 24, 40
-    rows, dy = torch.randn(P, D, generator=gen), torch.randn(P, D, generator=gen)
-    d_a1, d_a3, h = (torch.randn(P, H, generator=gen) for _ in range(3))
-    offsets = row_tiles(counts, 16, P).expert_offsets
-    whole = dataclasses.replace(TILES, block_k=block_k, descriptors=True)
-    expert = dataclasses.replace(whole, expert_descriptors=True)
-
-    def grads(tiles):
-        w2 = grouped_wgrad(dy, h, offsets, E, tiles=tiles, out_dtype=torch.float32)
-        return (w2, *grouped_wgrad(d_a1, rows, offsets, E, tiles=tiles, out_dtype=torch.float32, a2=d_a3))
-
-    got = grads(expert)
-    assert [torch.equal(a, b) for a, b in zip(got, grads(whole))] == [True] * 3
-    assert torch.count_nonzero(got[0][2]) == 0
-    for out, (a, b) in zip(got, ((dy, h), (d_a1, rows), (d_a3, rows))):
-        torch.testing.assert_close(out, grouped_wgrad_reference(a, b, counts.tolist()), rtol=1e-5, atol=1e-5)
-
-
 def test_wgrad_with_two_inputs_shares_the_b_rows():
     gen = torch.Generator().manual_seed(5)
     _, order, counts = make_routing(10, 2, 4, "skewed", gen)

@@ -99,11 +99,6 @@ class GemmTiles:
     """Row GEMMs: an expert's last row tile with at most ``block_m / 2`` rows runs a dot of
     half the rows (the row tiles stay ``block_m``; not below 32, where the half would be
     under the 16 rows a GPU dot needs); the bits are the same."""
-    expert_descriptors: bool = False
-    """Weight gradients whose rows come through descriptors: descriptors of each tile's
-    expert rows alone, built in the kernel per tile, so the copy engine zero-fills past the
-    expert and its partial last chunk of rows runs in the pipelined loop (instead of
-    through masked pointers after it); the bits are the same."""
     store_descriptors: bool = False
     """Row GEMMs whose outputs are not scattered: full row tiles are stored through
     tensor descriptors (the copy engine, TMA on Hopper), an expert's last partial tile
@@ -210,7 +205,7 @@ class ExpertTiles:
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_descriptors=c.wgrad_expert_descriptors)
+                          c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 

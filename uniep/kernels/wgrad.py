@@ -91,7 +91,7 @@ def _grouped_wgrad_kernel(
     M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXPERT_DESC: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -127,30 +127,16 @@ def _grouped_wgrad_kernel(
         # shared-memory stages): the same chunks in the same order.
         full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EXPERT_DESC:
-            # Descriptors of this expert's rows alone: the copy engine fills the rows past
-            # its end with zeros, so the partial last chunk runs in the pipelined loop too.
-            n_rows = row_end - row_start
-            expert_a = tl.make_tensor_descriptor(a_ptr + row_start.to(tl.int64) * stride_am, [tl.maximum(n_rows, 1), M],
-                                                 [stride_am, 1], [BLOCK_K, BLOCK_M])
-            expert_b = tl.make_tensor_descriptor(b_ptr + (b_shift + row_start).to(tl.int64) * stride_bm,
-                                                 [tl.maximum(n_rows, 1), N], [stride_bm, 1], [BLOCK_K, BLOCK_N])
-            acc = _accumulate_rows(
-                acc, 0, n_rows, n_rows, 0, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, expert_a, a_row_ptr, a_scale_ptr, b_ptr, expert_b, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                False, False, False, False, True, True, BLOCK_K, DOT_PRECISION, NUM_STAGES,
-            )
-        else:
-            acc = _accumulate_rows(
-                acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
-            )
-            acc = _accumulate_rows(
-                acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
-            )
+        acc = _accumulate_rows(
+            acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+        )
+        acc = _accumulate_rows(
+            acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
+        )
         c_mask = mask_m[:, None] & mask_n[None, :]
         if HALVES == 1:
             c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
@@ -216,7 +202,6 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
-    expert_desc = tiles.expert_descriptors and a_desc and b_desc and a_scale is None and b_scale is None
     if a_desc or b_desc:
         use_descriptor_scratch(a.device)
     launcher(_grouped_wgrad_kernel)[(programs,)](
@@ -226,7 +211,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, EXPERT_DESC=expert_desc,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
