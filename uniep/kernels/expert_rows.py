@@ -116,8 +116,9 @@ def w2_grad_first(state: ExpertRowsState) -> bool:
 
 def _down_input_grad(state: ExpertRowsState, tiles: ExpertTiles) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_a1, d_a3 (R, H)): d h = grad_y @ w2[e] (a plain GEMM on the wide tiles, into
-    the first half of the d_a1/d_a3 pair), then the SwiGLU backward in place (a fused
-    epilogue at the wide tiles would spill). Releases a1, a3."""
+    the first half of the d_a1/d_a3 pair), then the SwiGLU backward in place (fused into
+    the wide tiles' epilogue it ran slower at the power limit, benchmarks/RESULTS.md).
+    Releases a1, a3."""
     state.grad_y = state.grad_y.contiguous()
     pair = state.grad_y.new_empty(2, *state.a1.shape)
     grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False, tiles=tiles.gemm,
