@@ -1,7 +1,8 @@
 """Where UniEP's routed-expert time goes, launch by launch, and which tile settings win.
 
     python scripts/bench_gemm.py [--shapes qwen3,dsv3_16b,dsv3_671b] [--variants default,pointer_loads,...]
-                                 [--warmup 5 --iters 20] [--rounds 3] [--sustained 1.5] [--json out.json]
+                                 [--warmup 5 --iters 20] [--rounds 3] [--sustained 1.5] [--routing balanced]
+                                 [--json out.json]
 
 For each shape (``bench_moe.py``'s): one random top-k routing, then the steps of the
 Triton path as the models use it, scores applied after the experts (forward: the copy
@@ -102,22 +103,33 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
+    # each expert's partial last chunk of rows inside the weight gradients' pipelined loop
+    "wgrad_tail_in_loop": dict(wgrad_tail_in_loop=True),
+    "wgrad_tail_in_loop_bk32_s4": dict(wgrad_tail_in_loop=True, wgrad_block_k=32, wgrad_num_stages=4),
+    "wgrad_tail_in_loop_stages4": dict(wgrad_tail_in_loop=True, wgrad_num_stages=4),
+    "pointer_loads_tail_in_loop": dict(descriptor_loads=False, wgrad_tail_in_loop=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_tail_in_loop"}
+ROUTINGS = ("random", "balanced")
 
 
-def make_problem(shape: str, device: str, seed: int = 0) -> dict:
-    """Inputs of the six launches at ``shape``: random routing, bf16 (fp32 on the CPU,
-    whose interpreter's bf16 dot is wrong) rows and weights."""
+def make_problem(shape: str, device: str, seed: int = 0, routing: str = "random") -> dict:
+    """Inputs of the six launches at ``shape``: bf16 (fp32 on the CPU, whose
+    interpreter's bf16 dot is wrong) rows and weights; a uniformly random top-k routing,
+    or a ``balanced`` one (pair ``p`` to expert ``p mod E``: every expert gets the same
+    rows, so where E divides T*K evenly into whole tiles no tile or row chunk is partial)."""
     T, D, H, E, K = SHAPES[shape][:5]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(seed)
     P = T * K
-    topk = torch.rand(T, E, device=device, generator=gen).topk(K, dim=1).indices
+    if routing == "balanced":
+        topk = torch.arange(P, device=device).reshape(T, K) % E
+    else:
+        topk = torch.rand(T, E, device=device, generator=gen).topk(K, dim=1).indices
     order = torch.argsort(topk.reshape(-1), stable=True)
     counts = torch.bincount(topk.reshape(-1), minlength=E)
 
@@ -261,7 +273,9 @@ def median_ms(fn, warmup: int, iters: int, device: str) -> float:
 
 
 def run_shape(shape: str, names: list[str], args) -> list[dict]:
-    p = make_problem(shape, args.device)
+    p = make_problem(shape, args.device, routing=args.routing)
+    counts = p["counts"]
+    print(f"{shape}: {args.routing} routing, rows per expert {int(counts.min())}..{int(counts.max())}", flush=True)
     fl = flops(p)
     base = launches(p, {})
     base_outs = {name: fn() for name, fn in base.items()}
@@ -347,6 +361,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timing rounds over all variants' launches, in turns; the median is reported")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--routing", default="random", choices=ROUTINGS,
+                        help="random top-k, or balanced (every expert the same rows: no partial tiles where they divide)")
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                         help="also run each launch at the power limit this long, with its energy (0: off; CUDA only)")
     parser.add_argument("--json", help="write the rows here")

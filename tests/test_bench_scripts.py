@@ -83,14 +83,16 @@ def test_bench_ep_smoke_on_cpu(tmp_path):
 def _bench_gemm_args(**kw):
     import argparse
 
-    return argparse.Namespace(**{"device": "cpu", "warmup": 1, "iters": 1, "rounds": 1, "sustained": 0, **kw})
+    return argparse.Namespace(**{"device": "cpu", "warmup": 1, "iters": 1, "rounds": 1, "sustained": 0,
+                                 "routing": "random", **kw})
 
 
 def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_gemm
 
-    variants = ["default", "pointer_loads", "wgrad_bk128_s2", "swiglu_bwd_fused", "gather_in_kernel"]
+    variants = ["default", "pointer_loads", "wgrad_bk128_s2", "swiglu_bwd_fused", "gather_in_kernel",
+                "wgrad_tail_in_loop"]
     rows = bench_gemm.run_shape("tiny", variants, _bench_gemm_args())
     assert {(r["variant"], r["launch"]) for r in rows} == {
         (v, name) for v in variants for name in bench_gemm.LAUNCHES if (v, name) != ("gather_in_kernel", "gather_rows")
@@ -98,7 +100,22 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     assert all(r["ok"] for r in rows)
     checks = {r["variant"]: r["checked"] for r in rows}
     assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close",
-                      "swiglu_bwd_fused": "bitwise", "gather_in_kernel": "bitwise"}
+                      "swiglu_bwd_fused": "bitwise", "gather_in_kernel": "bitwise", "wgrad_tail_in_loop": "bitwise"}
+
+
+def test_bench_gemm_balanced_routing_gives_every_expert_the_same_rows():
+    import bench_gemm
+
+    T, _, _, E, K = bench_gemm.SHAPES["tiny"][:5]
+    p = bench_gemm.make_problem("tiny", "cpu", routing="balanced")
+    assert p["counts"].tolist() == [T * K // E] * E
+    # each token's K experts differ (a valid top-k routing)
+    expert_of_pair = torch.empty(T * K, dtype=torch.long)
+    expert_of_pair[p["pair_of_row"].long()] = torch.arange(E).repeat_interleave(p["counts"])
+    assert all(len(set(row)) == K for row in expert_of_pair.reshape(T, K).tolist())
+    # the random routing (control) is not balanced
+    random_counts = bench_gemm.make_problem("tiny", "cpu")["counts"]
+    assert random_counts.sum() == T * K and random_counts.max() > random_counts.min()
 
 
 def test_bench_gemm_rounds_take_the_launches_in_turns(monkeypatch):
