@@ -103,17 +103,12 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
-    # each expert's partial last chunk of rows inside the weight gradients' pipelined loop
-    "wgrad_tail_in_loop": dict(wgrad_tail_in_loop=True),
-    "wgrad_tail_in_loop_bk32_s4": dict(wgrad_tail_in_loop=True, wgrad_block_k=32, wgrad_num_stages=4),
-    "wgrad_tail_in_loop_stages4": dict(wgrad_tail_in_loop=True, wgrad_num_stages=4),
-    "pointer_loads_tail_in_loop": dict(descriptor_loads=False, wgrad_tail_in_loop=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_tail_in_loop"}
+                  "swiglu_bwd_fused", "gather_in_kernel"}
 ROUTINGS = ("random", "balanced")
 
 

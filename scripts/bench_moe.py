@@ -64,8 +64,6 @@ SWEEP = {
     "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
     "full_tiles": dict(gemm_half_tiles=False),
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),  # weight gradients on 32-row steps
-    "wgrad_tail_in_loop": dict(wgrad_tail_in_loop=True),  # each expert's last row chunk in the pipelined loop
-    "wgrad_tail_in_loop_bk32_s4": dict(wgrad_tail_in_loop=True, wgrad_block_k=32, wgrad_num_stages=4),
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream

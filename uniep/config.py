@@ -84,10 +84,6 @@ class UniEPConfig:
     """Warps per weight-gradient program (1, 2, 4, 8, 16). Does not change bits."""
     wgrad_num_stages: int = 3
     """Weight-gradient pipelining depth (1..8). Does not change bits."""
-    wgrad_tail_in_loop: bool = False
-    """Weight gradients sum each expert's partial last chunk of rows inside the
-    pipelined loop (one operand through masked pointer loads) instead of after it,
-    unpipelined. Does not change bits (finite inputs)."""
 
     megakernel_sends_per_task: int = 16
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""

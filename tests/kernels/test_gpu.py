@@ -107,8 +107,6 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(gemm_num_warps=4, wgrad_num_warps=4),
         dict(gemm_half_tiles=not UniEPConfig().gemm_half_tiles),
         dict(descriptor_stores=not UniEPConfig().descriptor_stores),
-        dict(wgrad_tail_in_loop=not UniEPConfig().wgrad_tail_in_loop),
-        dict(wgrad_tail_in_loop=True, descriptor_loads=False),
         dict(shared_experts_stream=not UniEPConfig().shared_experts_stream),
     ]
     for schedule in schedules:

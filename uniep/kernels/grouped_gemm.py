@@ -106,13 +106,6 @@ class GemmTiles:
     rows); the bits are the same. Their staging tile counts in the shared-memory fit and
     ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
     depends on the tiles only."""
-    tail_in_loop: bool = False
-    """Weight gradients: each tile sums all its expert's rows in one pipelined loop, the
-    partial last chunk included, with the first operand's rows past the expert's end set
-    to zero in registers (so the second operand's rows there, the next expert's, add
-    nothing), instead of the full chunks through descriptors and then the last chunk
-    through masked pointers, unpipelined; the bits are the same (for finite inputs: a
-    NaN or inf in the next expert's rows would reach this expert's gradient)."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -212,7 +205,7 @@ class ExpertTiles:
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, tail_in_loop=c.wgrad_tail_in_loop)
+                          c.wgrad_num_stages, programs, c.descriptor_loads)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 

@@ -36,16 +36,14 @@ from uniep.kernels.launch import cdiv, launcher
 
 @triton.jit
 def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, shift, cols, c0, mask_c, stride,
-              HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr, MASK_DESC: tl.constexpr = False):
+              HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr):
     """(BLOCK_K, columns) tile of a row operand at plan rows ``plan_rows``, its source rows
     moved down by ``shift`` (the second operand of a stacked pair): through the descriptor
-    at rows ``r + shift...`` (a chunk not gathered; with ``MASK_DESC`` its rows past the
-    expert's end set to 0 in registers), or through pointers (gathered by ``row_ptr``;
-    rows past the expert's end read 0); scaled rows are rounded back to the operand's dtype."""
+    at rows ``r + shift...`` (a full chunk of the expert's own rows, not gathered), or
+    through pointers (gathered by ``row_ptr``; rows past the expert's end read 0); scaled
+    rows are rounded back to the operand's dtype."""
     if DESC:
         t = desc.load([r + shift, c0])
-        if MASK_DESC:
-            t = tl.where(mask_r[:, None], t, tl.zeros_like(t))
     else:
         if HAS_ROW:
             src = tl.load(row_ptr + plan_rows, mask=mask_r, other=0).to(tl.int64)
@@ -65,18 +63,17 @@ def _accumulate_rows(
     a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, MASK_A: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr,
 ):
     """acc += A^T B over plan rows [r_begin, r_end) in BLOCK_K chunks, software-pipelined
-    ``LOOP_STAGES`` deep; with ``MASK_A``, A's rows from ``row_end`` on are zeros also
-    where A comes through its descriptor."""
+    ``LOOP_STAGES`` deep."""
     for r in tl.range(r_begin, r_end, BLOCK_K, num_stages=LOOP_STAGES):
         rows = r + tl.arange(0, BLOCK_K)
         mask_r = rows < row_end
         b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, b_shift, cols_n, n0, mask_n, stride_bm,
                       HAS_B_ROW, HAS_B_SCALE, B_DESC)
         a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, 0, cols_m, m0, mask_m, stride_am,
-                      HAS_A_ROW, HAS_A_SCALE, A_DESC, MASK_A)
+                      HAS_A_ROW, HAS_A_SCALE, A_DESC)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -94,7 +91,7 @@ def _grouped_wgrad_kernel(
     M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, TAIL_IN_LOOP: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -125,33 +122,21 @@ def _grouped_wgrad_kernel(
         row_start = tl.load(expert_offsets_ptr + e)
         row_end = tl.load(expert_offsets_ptr + e + 1)
         b_shift = half * rows_b  # int32: descriptor coordinates are 32-bit
+        # Full chunks first (descriptor loads where the operand is not gathered), then the
+        # partial last chunk through masked pointers, unpipelined (no second set of
+        # shared-memory stages): the same chunks in the same order.
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TAIL_IN_LOOP:
-            # Every chunk in one pipelined loop, the partial last one too: A's rows past the
-            # expert's end are zeros (masked in registers after the descriptor load, or by
-            # masked pointer loads), so B's rows there (the next expert's, through its
-            # descriptor) add nothing. The same chunks in the same order.
-            acc = _accumulate_rows(
-                acc, row_start, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
-                MASK_A=True,
-            )
-        else:
-            # Full chunks first (descriptor loads where the operand is not gathered), then
-            # the partial last chunk through masked pointers, unpipelined (no second set of
-            # shared-memory stages): the same chunks in the same order.
-            full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-            acc = _accumulate_rows(
-                acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
-            )
-            acc = _accumulate_rows(
-                acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-                a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
-            )
+        acc = _accumulate_rows(
+            acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+        )
+        acc = _accumulate_rows(
+            acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
+        )
         c_mask = mask_m[:, None] & mask_n[None, :]
         if HALVES == 1:
             c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
@@ -226,7 +211,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, TAIL_IN_LOOP=tiles.tail_in_loop,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
