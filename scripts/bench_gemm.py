@@ -103,12 +103,19 @@ VARIANTS = {
     # weight gradients on 32-row steps, more of them in flight (short per-expert reductions)
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
+    # runs of J consecutive tiles of one expert per weight-gradient program, its partial
+    # last row chunk inside the pipelined loop (a descriptor built per run)
+    "wgrad_run1": dict(wgrad_expert_run=1),
+    "wgrad_run2": dict(wgrad_expert_run=2),
+    "wgrad_run4": dict(wgrad_expert_run=4),
+    "wgrad_run8": dict(wgrad_expert_run=8),
+    "wgrad_run4_bk32_s4": dict(wgrad_expert_run=4, wgrad_block_k=32, wgrad_num_stages=4),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run"}
 ROUTINGS = ("random", "balanced")
 
 

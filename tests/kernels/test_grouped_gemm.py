@@ -276,3 +276,40 @@ def test_a_second_operand_of_another_shape_is_refused_before_launch():
     assert torch.allclose(out, 2 * grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="A2 must have A's shape and strides"):
         grouped_gemm(a, w, offsets, 5, transpose_w=False, tiles=TILES, mode=DUAL, a2=torch.randn(6, 8), w2_E=w)
+
+
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("run", [1, 3])
+def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
+    """Runs of consecutive tiles of one expert per program, the first operand read through
+    a descriptor ending at the expert's last row (the partial last chunk in the pipelined
+    loop): the bits of tiles dealt round-robin with the last chunk after the loop, at
+    experts with partial chunks, an empty one, a last one; an expert's gradient ignores
+    the next expert's rows (changing them leaves it as it was) but not its own (control)."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.tensor([5, 32, 0, 33, 17, 47])  # last chunks of 5, 16, -, 1, 1, 15 rows (block_k 16)
+    E, P = counts.numel(), int(counts.sum())
+    a, a2 = torch.randn(P, 40, generator=gen), torch.randn(P, 40, generator=gen)
+    b = torch.randn(P, 24, generator=gen)
+    offsets = row_tiles(counts, 16, P).expert_offsets
+    round_robin = dataclasses.replace(TILES, descriptors=True)
+    runs = dataclasses.replace(round_robin, expert_run=run)
+
+    def launch(tiles, a, a2, b):
+        out = grouped_wgrad(a, b, offsets, E, tiles=tiles, out_dtype=torch.float32, a2=a2 if halves == 2 else None)
+        return out if halves == 2 else (out,)
+
+    expected, got = launch(round_robin, a, a2, b), launch(runs, a, a2, b)
+    assert [torch.equal(x, y) for x, y in zip(expected, got)] == [True] * halves
+    torch.testing.assert_close(got[0], grouped_wgrad_reference(a, b, counts.tolist()), **TOL[torch.float32])
+    assert torch.count_nonzero(got[0][2]) == 0  # the empty expert
+    # expert 0 (rows 0..4): rows 5.. belong to expert 1; every operand there changed
+    a_next, a2_next, b_next = (t.clone() for t in (a, a2, b))
+    for t in (a_next, a2_next, b_next):
+        t[5:16] += 100.0
+    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][0], got[0][0])
+    b_own = b.clone()
+    b_own[4] += 1.0
+    assert not torch.equal(launch(runs, a, a2, b_own)[0][0], got[0][0])

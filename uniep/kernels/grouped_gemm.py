@@ -106,6 +106,15 @@ class GemmTiles:
     rows); the bits are the same. Their staging tile counts in the shared-memory fit and
     ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
     depends on the tiles only."""
+    expert_run: int = 0
+    """Weight gradients: 0, each program takes tiles round-robin and sums an expert's
+    full row chunks through descriptors, then its partial last chunk through masked
+    pointers, unpipelined; ``J`` > 0, each program takes runs of J consecutive tiles of
+    one expert and reads the first operand through a descriptor that ends at the
+    expert's last row (built once per run), so the copy engine fills the partial last
+    chunk with zeros and it runs in the pipelined loop (the second operand's rows there,
+    the next expert's, meet those zeros). The bits are the same (for finite inputs: a NaN
+    or inf in the next expert's rows would reach this expert's gradient)."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -205,7 +214,7 @@ class ExpertTiles:
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads)
+                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 

@@ -79,6 +79,66 @@ def _accumulate_rows(
 
 
 @triton.jit
+def _wgrad_tile(
+    e, j, row_start, row_end, m_tiles, n_tiles, a_desc, b_desc,
+    a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr, c_ptr, c2_ptr,
+    M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+    HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, A_ENDS_AT_EXPERT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Tile ``j`` (modulo the expert's tiles) of expert ``e``'s gradient (its row tiles of
+    A, within each B's and then B2's column tiles), summed over the expert's rows ``[row_start, row_end)`` in BLOCK_K chunks and
+    stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, so the copy engine reads
+    zeros past it and the partial last chunk runs in the pipelined loop (B's rows there,
+    the next expert's, meet those zeros)."""
+    stacked_tiles = HALVES * n_tiles
+    m0 = (j // stacked_tiles % m_tiles) * BLOCK_M
+    n_stacked = j % stacked_tiles
+    half = n_stacked // n_tiles
+    n0 = (n_stacked % n_tiles) * BLOCK_N
+    cols_m = m0 + tl.arange(0, BLOCK_M)
+    cols_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = cols_m < M
+    mask_n = cols_n < N
+    b_shift = half * rows_b  # int32: descriptor coordinates are 32-bit
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_ENDS_AT_EXPERT:
+        chunks_end = row_start + tl.cdiv(row_end - row_start, BLOCK_K) * BLOCK_K
+        acc = _accumulate_rows(
+            acc, row_start, chunks_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+        )
+    else:
+        # Full chunks first (descriptor loads where the operand is not gathered), then the
+        # partial last chunk through masked pointers, unpipelined (no second set of
+        # shared-memory stages): the same chunks in the same order.
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+        acc = _accumulate_rows(
+            acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+        )
+        acc = _accumulate_rows(
+            acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
+            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
+        )
+    c_mask = mask_m[:, None] & mask_n[None, :]
+    if HALVES == 1:
+        c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
+        if half == 0:
+            tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,  # (rows, M)
     a_row_ptr,  # (R,) int32 (HAS_A_ROW)
@@ -91,7 +151,7 @@ def _grouped_wgrad_kernel(
     M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXPERT_RUN: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -106,47 +166,38 @@ def _grouped_wgrad_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, [HALVES * rows_b, N], [stride_bm, 1], [BLOCK_K, BLOCK_N])
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    # Within an expert's row tile of A, the tiles of B2 follow B's: one accumulator per
-    # tile, and the programs running at once share the expert's rows in L2.
-    stacked_tiles = HALVES * n_tiles
-    for tile in range(pid, num_experts * m_tiles * stacked_tiles, NUM_PROGRAMS):
-        e = tile // (m_tiles * stacked_tiles)
-        m0 = (tile // stacked_tiles % m_tiles) * BLOCK_M
-        n_stacked = tile % stacked_tiles
-        half = n_stacked // n_tiles
-        n0 = (n_stacked % n_tiles) * BLOCK_N
-        cols_m = m0 + tl.arange(0, BLOCK_M)
-        cols_n = n0 + tl.arange(0, BLOCK_N)
-        mask_m = cols_m < M
-        mask_n = cols_n < N
-        row_start = tl.load(expert_offsets_ptr + e)
-        row_end = tl.load(expert_offsets_ptr + e + 1)
-        b_shift = half * rows_b  # int32: descriptor coordinates are 32-bit
-        # Full chunks first (descriptor loads where the operand is not gathered), then the
-        # partial last chunk through masked pointers, unpipelined (no second set of
-        # shared-memory stages): the same chunks in the same order.
-        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _accumulate_rows(
-            acc, row_start, full_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
-        )
-        acc = _accumulate_rows(
-            acc, full_end, row_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
-            a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
-            HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
-        )
-        c_mask = mask_m[:, None] & mask_n[None, :]
-        if HALVES == 1:
-            c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
-            tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        else:
-            c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
-            if half == 0:
-                tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                tl.store(c2_ptr + c_offs, acc.to(c2_ptr.dtype.element_ty), mask=c_mask)
+    # An expert's tiles in order: its row tiles of A, within each the tiles of B, then
+    # B2's: one accumulator per tile, and the programs running at once share the
+    # expert's rows in L2.
+    expert_tiles = m_tiles * HALVES * n_tiles
+    if EXPERT_RUN == 0:
+        for tile in range(pid, num_experts * expert_tiles, NUM_PROGRAMS):
+            e = tile // expert_tiles
+            _wgrad_tile(
+                e, tile, tl.load(expert_offsets_ptr + e), tl.load(expert_offsets_ptr + e + 1),
+                m_tiles, n_tiles, a_desc, b_desc, a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
+                c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, A_DESC, B_DESC, False,
+                NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            )
+    else:
+        # Runs of EXPERT_RUN consecutive tiles of one expert per program, A read through a
+        # descriptor that ends at the expert's last row (built once per run).
+        runs_per_expert = tl.cdiv(expert_tiles, EXPERT_RUN)
+        for run in range(pid, num_experts * runs_per_expert, NUM_PROGRAMS):
+            e = run // runs_per_expert
+            first = run % runs_per_expert * EXPERT_RUN
+            row_start = tl.load(expert_offsets_ptr + e)
+            row_end = tl.load(expert_offsets_ptr + e + 1)
+            expert_a = tl.make_tensor_descriptor(a_ptr, [tl.maximum(row_end, 1), M], [stride_am, 1], [BLOCK_K, BLOCK_M])
+            for j in range(first, tl.minimum(first + EXPERT_RUN, expert_tiles)):
+                _wgrad_tile(
+                    e, j, row_start, row_end, m_tiles, n_tiles, expert_a, b_desc,
+                    a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
+                    c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                    HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, True, B_DESC, True,
+                    NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                )
 
 
 def stacked(a: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
@@ -202,6 +253,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
+    expert_run = tiles.expert_run if a_desc else 0
     if a_desc or b_desc:
         use_descriptor_scratch(a.device)
     launcher(_grouped_wgrad_kernel)[(programs,)](
@@ -211,7 +263,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, EXPERT_RUN=expert_run,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
