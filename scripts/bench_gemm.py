@@ -105,6 +105,7 @@ VARIANTS = {
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
     # runs of J consecutive tiles of one expert per weight-gradient program, its partial
     # last row chunk inside the pipelined loop (a descriptor built per run)
+    "wgrad_run0": dict(wgrad_expert_run=0),
     "wgrad_run1": dict(wgrad_expert_run=1),
     "wgrad_run2": dict(wgrad_expert_run=2),
     "wgrad_run4": dict(wgrad_expert_run=4),

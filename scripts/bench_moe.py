@@ -64,8 +64,8 @@ SWEEP = {
     "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
     "full_tiles": dict(gemm_half_tiles=False),
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),  # weight gradients on 32-row steps
-    "wgrad_run2": dict(wgrad_expert_run=2),  # weight gradients on runs of one expert's tiles
-    "wgrad_run4": dict(wgrad_expert_run=4),
+    "wgrad_run0": dict(wgrad_expert_run=0),  # weight-gradient tiles round-robin (the default before -1)
+    "wgrad_run4": dict(wgrad_expert_run=4),  # runs of 4 tiles of one expert at every size
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream

@@ -294,7 +294,7 @@ def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
     a, a2 = torch.randn(P, 40, generator=gen), torch.randn(P, 40, generator=gen)
     b = torch.randn(P, 24, generator=gen)
     offsets = row_tiles(counts, 16, P).expert_offsets
-    round_robin = dataclasses.replace(TILES, descriptors=True)
+    round_robin = dataclasses.replace(TILES, descriptors=True, expert_run=0)
     runs = dataclasses.replace(round_robin, expert_run=run)
 
     def launch(tiles, a, a2, b):
@@ -313,3 +313,19 @@ def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
     b_own = b.clone()
     b_own[4] += 1.0
     assert not torch.equal(launch(runs, a, a2, b_own)[0][0], got[0][0])
+
+
+def test_wgrad_expert_runs_by_rows_per_expert():
+    """-1 picks runs of 4 up to the threshold of rows per expert, round-robin tiles above
+    it; a number given is used as given."""
+    import dataclasses
+
+    from uniep.kernels.wgrad import RUNS_UP_TO_ROWS_PER_EXPERT, expert_run_for
+
+    auto = dataclasses.replace(TILES, expert_run=-1)
+    limit = RUNS_UP_TO_ROWS_PER_EXPERT
+    assert expert_run_for(auto, 4096 * 8, 128) == 4  # Qwen3, 4096 tokens: 256 rows per expert
+    assert expert_run_for(auto, 16384 * 8, 128) == 0  # Qwen3, 16384 tokens: 1024
+    assert [expert_run_for(auto, limit * 10 + d, 10) for d in (0, 1)] == [4, 0]
+    assert expert_run_for(dataclasses.replace(TILES, expert_run=0), 16, 10) == 0
+    assert expert_run_for(dataclasses.replace(TILES, expert_run=2), 10**6, 10) == 2

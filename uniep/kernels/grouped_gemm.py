@@ -106,15 +106,16 @@ class GemmTiles:
     rows); the bits are the same. Their staging tile counts in the shared-memory fit and
     ``programs_per_sm`` whether or not a launch stores through descriptors, so the fit
     depends on the tiles only."""
-    expert_run: int = 0
+    expert_run: int = -1
     """Weight gradients: 0, each program takes tiles round-robin and sums an expert's
     full row chunks through descriptors, then its partial last chunk through masked
     pointers, unpipelined; ``J`` > 0, each program takes runs of J consecutive tiles of
     one expert and reads the first operand through a descriptor that ends at the
     expert's last row (built once per run), so the copy engine fills the partial last
     chunk with zeros and it runs in the pipelined loop (the second operand's rows there,
-    the next expert's, meet those zeros). The bits are the same (for finite inputs: a NaN
-    or inf in the next expert's rows would reach this expert's gradient)."""
+    the next expert's, meet those zeros); -1, by the rows per expert of each launch
+    (``wgrad.expert_run_for``). The bits are the same (for finite inputs: a NaN or inf
+    in the next expert's rows would reach this expert's gradient)."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands

@@ -244,6 +244,22 @@ def grouped_wgrad(
     return c, c2
 
 
+# Runs of one expert's tiles (``GemmTiles.expert_run`` -1) where an expert averages at
+# most this many rows. On an H200 at the power limit (benchmarks/RESULTS.md), runs of 4
+# made the w1/w3 and w2 gradients 9% faster at 256 rows per expert (Qwen3, 4096 tokens)
+# and up to 14% slower at 1024 and 1536 (16384 tokens): more experts' rows in L2 at once.
+RUNS_UP_TO_ROWS_PER_EXPERT = 384
+
+
+def expert_run_for(tiles: GemmTiles, rows: int, num_experts: int) -> int:
+    """The weight-gradient tiles per run of one expert (0: round-robin tiles): as the tiles
+    say, or where they say -1, 4 up to ``RUNS_UP_TO_ROWS_PER_EXPERT`` rows per expert on
+    average, else 0. The bits are the same either way."""
+    if tiles.expert_run >= 0:
+        return tiles.expert_run
+    return 4 if rows <= RUNS_UP_TO_ROWS_PER_EXPERT * num_experts else 0
+
+
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
     """C = A^T B per expert (halves = 1), or C^T, C2^T from B's two stacked halves."""
     M, N = a.shape[1], b.shape[1]
@@ -253,7 +269,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     dummy = expert_offsets
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
-    expert_run = tiles.expert_run if a_desc else 0
+    expert_run = expert_run_for(tiles, a.shape[0], num_experts) if a_desc else 0
     if a_desc or b_desc:
         use_descriptor_scratch(a.device)
     launcher(_grouped_wgrad_kernel)[(programs,)](
