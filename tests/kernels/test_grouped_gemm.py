@@ -285,7 +285,8 @@ def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
     a descriptor ending at the expert's last row (the partial last chunk in the pipelined
     loop): the bits of tiles dealt round-robin with the last chunk after the loop, at
     experts with partial chunks, an empty one, a last one; an expert's gradient ignores
-    the next expert's rows (changing them leaves it as it was) but not its own (control)."""
+    the next expert's rows (changing them, even to NaN, leaves it as it was) but not its
+    own (control)."""
     import dataclasses
 
     gen = torch.Generator().manual_seed(6)
@@ -309,6 +310,9 @@ def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
     a_next, a2_next, b_next = (t.clone() for t in (a, a2, b))
     for t in (a_next, a2_next, b_next):
         t[5:16] += 100.0
+    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][0], got[0][0])
+    for t in (a_next, a2_next, b_next):  # not even non-finite ones (NaN propagates per expert)
+        t[5:16] = float("nan")
     assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][0], got[0][0])
     b_own = b.clone()
     b_own[4] += 1.0

@@ -110,12 +110,11 @@ class GemmTiles:
     """Weight gradients: 0, each program takes tiles round-robin and sums an expert's
     full row chunks through descriptors, then its partial last chunk through masked
     pointers, unpipelined; ``J`` > 0, each program takes runs of J consecutive tiles of
-    one expert and reads the first operand through a descriptor that ends at the
-    expert's last row (built once per run), so the copy engine fills the partial last
-    chunk with zeros and it runs in the pipelined loop (the second operand's rows there,
-    the next expert's, meet those zeros); -1, by the rows per expert of each launch
-    (``wgrad.expert_run_for``). The bits are the same (for finite inputs: a NaN or inf
-    in the next expert's rows would reach this expert's gradient)."""
+    one expert and reads its operands through descriptors that end at the expert's last
+    row (built once per run), so the copy engine fills the partial last chunk with zeros
+    and it runs in the pipelined loop; -1, by the rows per expert of each launch
+    (``wgrad.expert_run_for``). The bits are the same, and a non-finite row reaches only
+    its own expert's gradient either way."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands

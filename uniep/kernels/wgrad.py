@@ -36,14 +36,18 @@ from uniep.kernels.launch import cdiv, launcher
 
 @triton.jit
 def _row_tile(ptr, desc, row_ptr, scale_ptr, plan_rows, mask_r, r, shift, cols, c0, mask_c, stride,
-              HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr):
+              HAS_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, DESC: tl.constexpr, HALVES_DESC: tl.constexpr = False):
     """(BLOCK_K, columns) tile of a row operand at plan rows ``plan_rows``, its source rows
     moved down by ``shift`` (the second operand of a stacked pair): through the descriptor
-    at rows ``r + shift...`` (a full chunk of the expert's own rows, not gathered), or
-    through pointers (gathered by ``row_ptr``; rows past the expert's end read 0); scaled
-    rows are rounded back to the operand's dtype."""
+    at rows ``r + shift...`` (a chunk not gathered; with ``HALVES_DESC`` a (halves, rows,
+    columns) descriptor at half ``shift``), or through pointers (gathered by ``row_ptr``;
+    rows past the expert's end read 0); scaled rows are rounded back to the operand's dtype."""
     if DESC:
-        t = desc.load([r + shift, c0])
+        if HALVES_DESC:
+            t = desc.load([shift, r, c0])
+            t = t.reshape(t.shape[1], t.shape[2])
+        else:
+            t = desc.load([r + shift, c0])
     else:
         if HAS_ROW:
             src = tl.load(row_ptr + plan_rows, mask=mask_r, other=0).to(tl.int64)
@@ -63,15 +67,16 @@ def _accumulate_rows(
     a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, B_HALVES_DESC: tl.constexpr = False,
 ):
     """acc += A^T B over plan rows [r_begin, r_end) in BLOCK_K chunks, software-pipelined
-    ``LOOP_STAGES`` deep."""
+    ``LOOP_STAGES`` deep (``B_HALVES_DESC``: B's descriptor is (halves, rows, N) and
+    ``b_shift`` the half)."""
     for r in tl.range(r_begin, r_end, BLOCK_K, num_stages=LOOP_STAGES):
         rows = r + tl.arange(0, BLOCK_K)
         mask_r = rows < row_end
         b = _row_tile(b_ptr, b_desc, b_row_ptr, b_scale_ptr, rows, mask_r, r, b_shift, cols_n, n0, mask_n, stride_bm,
-                      HAS_B_ROW, HAS_B_SCALE, B_DESC)
+                      HAS_B_ROW, HAS_B_SCALE, B_DESC, B_HALVES_DESC)
         a = _row_tile(a_ptr, a_desc, a_row_ptr, a_scale_ptr, rows, mask_r, r, 0, cols_m, m0, mask_m, stride_am,
                       HAS_A_ROW, HAS_A_SCALE, A_DESC)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
@@ -90,9 +95,10 @@ def _wgrad_tile(
 ):
     """Tile ``j`` (modulo the expert's tiles) of expert ``e``'s gradient (its row tiles of
     A, within each B's and then B2's column tiles), summed over the expert's rows ``[row_start, row_end)`` in BLOCK_K chunks and
-    stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, so the copy engine reads
-    zeros past it and the partial last chunk runs in the pipelined loop (B's rows there,
-    the next expert's, meet those zeros)."""
+    stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, and so does ``b_desc``
+    where B comes through it (then a (halves, rows, N) descriptor), so the copy engine
+    reads zeros past the expert's end and the partial last chunk runs in the pipelined
+    loop (the next expert's rows, even non-finite ones, do not reach this gradient)."""
     stacked_tiles = HALVES * n_tiles
     m0 = (j // stacked_tiles % m_tiles) * BLOCK_M
     n_stacked = j % stacked_tiles
@@ -107,9 +113,10 @@ def _wgrad_tile(
     if A_ENDS_AT_EXPERT:
         chunks_end = row_start + tl.cdiv(row_end - row_start, BLOCK_K) * BLOCK_K
         acc = _accumulate_rows(
-            acc, row_start, chunks_end, row_end, b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            acc, row_start, chunks_end, row_end, half if B_DESC else b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
             a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
+            B_HALVES_DESC=B_DESC,
         )
     else:
         # Full chunks first (descriptor loads where the operand is not gathered), then the
@@ -181,18 +188,24 @@ def _grouped_wgrad_kernel(
                 NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )
     else:
-        # Runs of EXPERT_RUN consecutive tiles of one expert per program, A read through a
-        # descriptor that ends at the expert's last row (built once per run).
+        # Runs of EXPERT_RUN consecutive tiles of one expert per program, A (and B, where
+        # it is not gathered) read through descriptors that end at the expert's last row
+        # (built once per run; B's over its halves).
         runs_per_expert = tl.cdiv(expert_tiles, EXPERT_RUN)
         for run in range(pid, num_experts * runs_per_expert, NUM_PROGRAMS):
             e = run // runs_per_expert
             first = run % runs_per_expert * EXPERT_RUN
             row_start = tl.load(expert_offsets_ptr + e)
             row_end = tl.load(expert_offsets_ptr + e + 1)
-            expert_a = tl.make_tensor_descriptor(a_ptr, [tl.maximum(row_end, 1), M], [stride_am, 1], [BLOCK_K, BLOCK_M])
+            expert_rows = tl.maximum(row_end, 1)
+            expert_a = tl.make_tensor_descriptor(a_ptr, [expert_rows, M], [stride_am, 1], [BLOCK_K, BLOCK_M])
+            expert_b = b_ptr
+            if B_DESC:
+                expert_b = tl.make_tensor_descriptor(b_ptr, [HALVES, expert_rows, N], [rows_b * stride_bm, stride_bm, 1],
+                                                     [1, BLOCK_K, BLOCK_N])
             for j in range(first, tl.minimum(first + EXPERT_RUN, expert_tiles)):
                 _wgrad_tile(
-                    e, j, row_start, row_end, m_tiles, n_tiles, expert_a, b_desc,
+                    e, j, row_start, row_end, m_tiles, n_tiles, expert_a, expert_b,
                     a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
                     c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
                     HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, True, B_DESC, True,
