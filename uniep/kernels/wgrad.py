@@ -14,7 +14,10 @@ plan order, accumulating in fp32: no atomics and no split over rows, so the resu
 bitwise the same for any number of programs. An expert with no rows gets zeros.
 
 Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N)
-tiles, as many per SM as fit (``programs_per_sm``).
+tiles, as many per SM as fit (``programs_per_sm``): dealt round-robin, or in runs of
+consecutive tiles of one expert (``GemmTiles.expert_run``), whose descriptors end at the
+expert's last row so that its partial last chunk of rows joins the pipelined loop. The
+bits are the same either way.
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ def _wgrad_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """Tile ``j`` (modulo the expert's tiles) of expert ``e``'s gradient (its row tiles of
-    A, within each B's and then B2's column tiles), summed over the expert's rows ``[row_start, row_end)`` in BLOCK_K chunks and
-    stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, and so does ``b_desc``
+    A, within each B's and then B2's column tiles), summed over the expert's rows
+    ``[row_start, row_end)`` in BLOCK_K chunks and stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, and so does ``b_desc``
     where B comes through it (then a (halves, rows, N) descriptor), so the copy engine
     reads zeros past the expert's end and the partial last chunk runs in the pipelined
     loop (the next expert's rows, even non-finite ones, do not reach this gradient)."""
@@ -259,8 +262,9 @@ def grouped_wgrad(
 
 # Runs of one expert's tiles (``GemmTiles.expert_run`` -1) where an expert averages at
 # most this many rows. On an H200 at the power limit (benchmarks/RESULTS.md), runs of 4
-# made the w1/w3 and w2 gradients 9% faster at 256 rows per expert (Qwen3, 4096 tokens)
-# and up to 14% slower at 1024 and 1536 (16384 tokens): more experts' rows in L2 at once.
+# made the w1/w3 and w2 gradients 6-8% faster at 256 rows per expert (Qwen3, 4096
+# tokens) and up to 14% slower at 1024 and 1536 (16384 tokens; more experts' rows in L2
+# at once).
 RUNS_UP_TO_ROWS_PER_EXPERT = 384
 
 
