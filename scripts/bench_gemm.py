@@ -104,7 +104,7 @@ VARIANTS = {
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),
     "wgrad_bk32_s6": dict(wgrad_block_k=32, wgrad_num_stages=6),
     # runs of J consecutive tiles of one expert per weight-gradient program, its partial
-    # last row chunk inside the pipelined loop (a descriptor built per run)
+    # last row chunk inside the pipelined loop (descriptors built per run)
     "wgrad_run0": dict(wgrad_expert_run=0),
     "wgrad_run1": dict(wgrad_expert_run=1),
     "wgrad_run2": dict(wgrad_expert_run=2),
