@@ -281,8 +281,8 @@ def test_a_second_operand_of_another_shape_is_refused_before_launch():
 @pytest.mark.parametrize("halves", [1, 2])
 @pytest.mark.parametrize("run", [1, 3])
 def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
-    """Runs of consecutive tiles of one expert per program, the first operand read through
-    a descriptor ending at the expert's last row (the partial last chunk in the pipelined
+    """Runs of consecutive tiles of one expert per program, both operands read through
+    descriptors ending at the expert's last row (the partial last chunk in the pipelined
     loop): the bits of tiles dealt round-robin with the last chunk after the loop, at
     experts with partial chunks, an empty one, a last one; an expert's gradient ignores
     the next expert's rows (changing them, even to NaN, leaves it as it was) but not its

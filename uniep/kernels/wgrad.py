@@ -98,10 +98,11 @@ def _wgrad_tile(
 ):
     """Tile ``j`` (modulo the expert's tiles) of expert ``e``'s gradient (its row tiles of
     A, within each B's and then B2's column tiles), summed over the expert's rows
-    ``[row_start, row_end)`` in BLOCK_K chunks and stored. ``A_ENDS_AT_EXPERT``: ``a_desc`` ends at ``row_end``, and so does ``b_desc``
-    where B comes through it (then a (halves, rows, N) descriptor), so the copy engine
-    reads zeros past the expert's end and the partial last chunk runs in the pipelined
-    loop (the next expert's rows, even non-finite ones, do not reach this gradient)."""
+    ``[row_start, row_end)`` in BLOCK_K chunks and stored. ``A_ENDS_AT_EXPERT``:
+    ``a_desc`` ends at ``row_end``, and so does ``b_desc`` where B comes through it (then
+    a (halves, rows, N) descriptor), so the copy engine reads zeros past the expert's end
+    and the partial last chunk runs in the pipelined loop (the next expert's rows, even
+    non-finite ones, do not reach this gradient)."""
     stacked_tiles = HALVES * n_tiles
     m0 = (j // stacked_tiles % m_tiles) * BLOCK_M
     n_stacked = j % stacked_tiles
@@ -115,8 +116,10 @@ def _wgrad_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if A_ENDS_AT_EXPERT:
         chunks_end = row_start + tl.cdiv(row_end - row_start, BLOCK_K) * BLOCK_K
+        # B's (halves, rows, N) descriptor takes the half as a coordinate; B's pointers the row shift
+        b_half_or_shift = half if B_DESC else b_shift
         acc = _accumulate_rows(
-            acc, row_start, chunks_end, row_end, half if B_DESC else b_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
+            acc, row_start, chunks_end, row_end, b_half_or_shift, m0, cols_m, mask_m, n0, cols_n, mask_n,
             a_ptr, a_desc, a_row_ptr, a_scale_ptr, b_ptr, b_desc, b_row_ptr, b_scale_ptr, stride_am, stride_bm,
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, A_DESC, B_DESC, BLOCK_K, DOT_PRECISION, NUM_STAGES,
             B_HALVES_DESC=B_DESC,
