@@ -111,12 +111,18 @@ VARIANTS = {
     "wgrad_run4": dict(wgrad_expert_run=4),
     "wgrad_run8": dict(wgrad_expert_run=8),
     "wgrad_run4_bk32_s4": dict(wgrad_expert_run=4, wgrad_block_k=32, wgrad_num_stages=4),
+    # the runs warp-specialized (4 warps become a producer and two consumer warp groups)
+    "wgrad_ws": dict(wgrad_warp_specialize=True, wgrad_num_warps=4),
+    "wgrad_ws_run1": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
+    "wgrad_ws_run2": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=2),
+    "wgrad_ws_run4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=4),
+    "wgrad_ws_s4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_num_stages=4),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_warp_specialize"}
 ROUTINGS = ("random", "balanced")
 
 

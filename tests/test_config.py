@@ -32,6 +32,11 @@ def test_from_dict_sets_values():
         ({"wgrad_num_warps": 3}, r"uniep\.wgrad_num_warps = 3 is not allowed; allowed values: \(1, 2, 4, 8, 16\)"),
         ({"gemm_num_stages": 0}, r"uniep\.gemm_num_stages = 0 is not allowed; allowed values: 1\.\.8"),
         ({"num_programs": -1}, r"uniep\.num_programs = -1 must be >= 0"),
+        # warp specialization: 4 warps, and the runs' loop (the one specialized)
+        ({"wgrad_warp_specialize": True},
+         r"uniep\.wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 .*got wgrad_num_warps = 8"),
+        ({"wgrad_warp_specialize": True, "wgrad_num_warps": 4, "wgrad_expert_run": 0},
+         r"wgrad_warp_specialize = true needs .*wgrad_expert_run = 0"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),
     ],
@@ -39,6 +44,13 @@ def test_from_dict_sets_values():
 def test_bad_tables_are_rejected_with_the_field_named(table, message):
     with pytest.raises(UniEPConfigError, match=message):
         UniEPConfig.from_dict(table)
+
+
+def test_warp_specialized_weight_gradients_reach_their_tiles():
+    from uniep.kernels.grouped_gemm import ExpertTiles
+
+    tiles = ExpertTiles.from_config(UniEPConfig(wgrad_warp_specialize=True, wgrad_num_warps=4))
+    assert tiles.wgrad.warp_specialize and tiles.wgrad_up.warp_specialize and not tiles.gemm.warp_specialize
 
 
 def test_direct_construction_validates():

@@ -91,6 +91,12 @@ class UniEPConfig:
     expert; ``kernels.grouped_gemm.GemmTiles.expert_run``); -1, runs of 4 where an expert
     averages at most 384 rows (faster on an H200 at 4096 tokens, slower at 16384),
     else 0. Does not change bits."""
+    wgrad_warp_specialize: bool = False
+    """Weight gradients in runs (``wgrad_expert_run`` not 0) warp-specialized by Triton:
+    a producer warp group loads while two consumer warp groups compute
+    (``kernels.grouped_gemm.GemmTiles.warp_specialize``). Needs ``wgrad_num_warps`` = 4;
+    with -1 runs, experts above 384 rows on average take runs of 1. Not yet measured on
+    a GPU (off). Does not change bits."""
 
     megakernel_sends_per_task: int = 16
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""
@@ -147,6 +153,11 @@ class UniEPConfig:
         if not -1 <= self.wgrad_expert_run <= 64:
             raise UniEPConfigError(f"wgrad_expert_run = {self.wgrad_expert_run} is not allowed; allowed values: "
                                    "-1 (by rows per expert), 0..64")
+        if self.wgrad_warp_specialize and (self.wgrad_num_warps != 4 or self.wgrad_expert_run == 0):
+            raise UniEPConfigError(
+                f"wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 (the runs' loop "
+                f"is the one specialized); got wgrad_num_warps = {self.wgrad_num_warps}, "
+                f"wgrad_expert_run = {self.wgrad_expert_run}")
         if self.num_programs < 0:
             raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 

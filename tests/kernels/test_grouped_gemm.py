@@ -319,6 +319,62 @@ def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
     assert not torch.equal(launch(runs, a, a2, b_own)[0][0], got[0][0])
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+def test_wgrad_warp_specialized_runs_give_the_same_bits(monkeypatch, halves):
+    """Warp-specialized tiles launch the runs' kernel specialized where its operands allow
+    it (16-bit, through descriptors, unscaled) and give the bits of the same runs without
+    it; a scaled operand or float32 launches unspecialized (controls of the guard). The
+    interpreter ignores the specialization itself: the GPU schedule test checks its bits."""
+    import dataclasses
+
+    import uniep.kernels.wgrad as wgrad
+
+    launched = []
+    monkeypatch.setattr(wgrad, "_grouped_wgrad_kernel", _SpyKernel(wgrad._grouped_wgrad_kernel, launched))
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.tensor([5, 32, 0, 33, 17, 47])
+    E, P = counts.numel(), int(counts.sum())
+    a, a2, b = (torch.randn(P, n, generator=gen).half() for n in (40, 40, 24))
+    offsets = row_tiles(counts, 16, P).expert_offsets
+    plain = dataclasses.replace(TILES, num_warps=4, descriptors=True, expert_run=1)
+    specialized = dataclasses.replace(plain, warp_specialize=True)
+
+    def launch(tiles, a, a2, b, **scales):
+        launched.clear()
+        out = grouped_wgrad(a, b, offsets, E, tiles=tiles, out_dtype=a.dtype, a2=a2 if halves == 2 else None, **scales)
+        return (out if halves == 2 else (out,)), launched[-1]
+
+    expected, flags = launch(plain, a, a2, b)
+    got, flags_ws = launch(specialized, a, a2, b)
+    assert (flags["WARP_SPECIALIZE"], flags_ws["WARP_SPECIALIZE"]) == (False, True)
+    assert flags_ws["EXPERT_RUN"] == 1 and flags_ws["num_warps"] == 4
+    assert [torch.equal(x, y) for x, y in zip(expected, got)] == [True] * halves
+    torch.testing.assert_close(got[0].float(), grouped_wgrad_reference(a.float(), b.float(), counts.tolist()),
+                               **TOL[torch.float16])
+    assert not launch(specialized, a, a2, b, b_scale=torch.rand(P, generator=gen))[1]["WARP_SPECIALIZE"]
+    assert not launch(specialized, a.float(), a2.float(), b.float())[1]["WARP_SPECIALIZE"]
+
+
+class _SpyKernel:
+    """A kernel stand-in that records each launch's keyword arguments in ``log`` (its
+    last entry) and launches the real kernel."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return run
+
+
+def test_warp_specialized_tiles_need_four_warps():
+    with pytest.raises(ValueError, match="warp_specialize needs num_warps = 4"):
+        GemmTiles(warp_specialize=True)
+    assert GemmTiles(num_warps=4, warp_specialize=True).warp_specialize
+
+
 def test_wgrad_expert_runs_by_rows_per_expert():
     """-1 picks runs of 4 up to the threshold of rows per expert, round-robin tiles above
     it; a number given is used as given."""
@@ -333,3 +389,6 @@ def test_wgrad_expert_runs_by_rows_per_expert():
     assert [expert_run_for(auto, limit * 10 + d, 10) for d in (0, 1)] == [4, 0]
     assert expert_run_for(dataclasses.replace(TILES, expert_run=0), 16, 10) == 0
     assert expert_run_for(dataclasses.replace(TILES, expert_run=2), 10**6, 10) == 2
+    # warp-specialized tiles run in runs (of 1 above the threshold): only that loop is specialized
+    specialized = dataclasses.replace(auto, num_warps=4, warp_specialize=True)
+    assert [expert_run_for(specialized, limit * 10 + d, 10) for d in (0, 1)] == [4, 1]

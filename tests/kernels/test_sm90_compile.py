@@ -57,6 +57,11 @@ CASES = {
     "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
     "w2 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=1, EXPERT_RUN=4)),
     "w1/w3 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=2, EXPERT_RUN=4)),
+    # warp-specialized runs (``wgrad_warp_specialize``, 4 warps): Triton makes them 12
+    "w2 gradient, warp-specialized runs": (WGRAD, dict(HALVES=1, EXPERT_RUN=4, WARP_SPECIALIZE=True, BLOCK_N=128,
+                                                       num_warps=4)),
+    "w1/w3 gradient, warp-specialized runs of 1": (WGRAD, dict(HALVES=2, EXPERT_RUN=1, WARP_SPECIALIZE=True,
+                                                               BLOCK_N=128, num_warps=4)),
     "router choice (Qwen3: E 128, K 8)": (ROUTER, dict()),
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
@@ -73,6 +78,9 @@ CASES = {
     # for shared memory (found in the compiled kernel's metadata)
     "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
     "too large (control)": (GEMM, dict(MODE=0, BLOCK_M=256, BLOCK_K=128, num_stages=4)),
+    # warp specialization asked at 8 warps: compiled, not specialized
+    "warp specialization at 8 warps (control)": (WGRAD, dict(HALVES=2, EXPERT_RUN=4, WARP_SPECIALIZE=True,
+                                                            BLOCK_N=128)),
 }
 
 
@@ -87,6 +95,7 @@ def compile_sm90(name: str) -> dict:
     kind, changes = CASES[name]
     changes = dict(changes)
     num_stages = changes.pop("num_stages", 3)
+    num_warps = changes.pop("num_warps", 8)
     dtype = changes.pop("dtype", "bf16")
     if kind == GEMM:
         kernel = grouped_gemm._grouped_gemm_kernel
@@ -115,7 +124,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
                       expert_offsets_ptr="*i32")
         constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
-                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, NUM_PROGRAMS=132, NUM_STAGES=3, BLOCK_M=128,
+                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, WARP_SPECIALIZE=False, NUM_PROGRAMS=132, NUM_STAGES=3, BLOCK_M=128,
                          BLOCK_N=256,
                          BLOCK_K=64, DOT_PRECISION="tf32")
     constants |= changes
@@ -125,12 +134,12 @@ def compile_sm90(name: str) -> dict:
     source = ASTSource(kernel, signature, {(params.index(k),): v for k, v in constants.items()}, divisible)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 8, "num_stages": num_stages})
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as e:  # reported to the test, which decides
         cause = e.__cause__ or e
         return {"error": f"{type(e).__name__}: {type(cause).__name__}: {cause}"[-2000:]}
     return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared,
-            "stack": _stack_bytes(compiled.asm["cubin"])}
+            "stack": _stack_bytes(compiled.asm["cubin"]), "warps": compiled.metadata.num_warps}
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -187,6 +196,15 @@ def test_float32_fitted_tiles_do_not_spill(compiled, name):
         pytest.skip("no cuobjdump with this Triton")
     assert stack <= 64, stack
     assert compiled["float32 at the bf16 tiles (control)"]["stack"] > 4096
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "warp-specialized" in n])
+def test_warp_specialized_runs_are_specialized(compiled, name):
+    """A producer warp group and two consumers: 12 warps from the 4 asked (at 8 warps
+    Triton leaves the loop as it is: the control)."""
+    assert compiled[name]["warps"] == 12
+    assert compiled[name]["stack"] in (None, 0)
+    assert compiled["warp specialization at 8 warps (control)"]["warps"] == 8
 
 
 def test_the_controls_fail_here(compiled):

@@ -115,6 +115,18 @@ class GemmTiles:
     and it runs in the pipelined loop; -1, by the rows per expert of each launch
     (``wgrad.expert_run_for``). The bits are the same, and a non-finite row reaches only
     its own expert's gradient either way."""
+    warp_specialize: bool = False
+    """Weight gradients: the runs' loop warp-specialized by Triton (on Hopper, from 4
+    warps: a producer warp group issues the copy engine's loads while two consumer warp
+    groups split each tile's dots, so the loads of a tile go on during the previous
+    one's store). Needs ``num_warps`` 4; taken by launches in runs (``expert_run`` not 0)
+    whose 16-bit operands all come through descriptors unscaled
+    (``wgrad.warp_specialized``), the others run as without it. The bits are the same."""
+
+    def __post_init__(self) -> None:
+        if self.warp_specialize and self.num_warps != 4:
+            raise ValueError(f"GemmTiles: warp_specialize needs num_warps = 4 (Triton specializes one warp group "
+                             f"into a producer and two consumers); got num_warps = {self.num_warps}")
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -214,7 +226,8 @@ class ExpertTiles:
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run)
+                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run,
+                          warp_specialize=c.wgrad_warp_specialize)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
