@@ -117,12 +117,18 @@ VARIANTS = {
     "wgrad_ws_run2": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=2),
     "wgrad_ws_run4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=4),
     "wgrad_ws_s4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_num_stages=4),
+    # the row GEMMs' tile loop warp-specialized (not the up input gradient); gate/up's two
+    # 128-wide accumulators spilled in an sm_90 compile here, 64-wide ones did not
+    "gemm_ws": dict(gemm_warp_specialize=True, gemm_num_warps=4),
+    "gemm_ws_up64": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_up_block_n=64),
+    "gemm_ws_s4": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_num_stages=4, gemm_up_block_n=64),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only)
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_warp_specialize"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_warp_specialize",
+                  "gemm_warp_specialize"}
 ROUTINGS = ("random", "balanced")
 
 

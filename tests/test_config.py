@@ -37,6 +37,7 @@ def test_from_dict_sets_values():
          r"uniep\.wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 .*got wgrad_num_warps = 8"),
         ({"wgrad_warp_specialize": True, "wgrad_num_warps": 4, "wgrad_expert_run": 0},
          r"wgrad_warp_specialize = true needs .*wgrad_expert_run = 0"),
+        ({"gemm_warp_specialize": True}, r"uniep\.gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = 8"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),
     ],
@@ -51,6 +52,8 @@ def test_warp_specialized_weight_gradients_reach_their_tiles():
 
     tiles = ExpertTiles.from_config(UniEPConfig(wgrad_warp_specialize=True, wgrad_num_warps=4))
     assert tiles.wgrad.warp_specialize and tiles.wgrad_up.warp_specialize and not tiles.gemm.warp_specialize
+    tiles = ExpertTiles.from_config(UniEPConfig(gemm_warp_specialize=True, gemm_num_warps=4))
+    assert tiles.gemm.warp_specialize and tiles.up.warp_specialize and not tiles.wgrad.warp_specialize
 
 
 def test_direct_construction_validates():

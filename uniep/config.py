@@ -64,6 +64,12 @@ class UniEPConfig:
     gemm_half_tiles: bool = False
     """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
     half the rows (the forward and input-gradient GEMMs). Does not change bits."""
+    gemm_warp_specialize: bool = False
+    """The forward GEMMs and the down input gradient warp-specialized by Triton: a
+    producer warp group loads while two consumer warp groups compute
+    (``kernels.grouped_gemm.GemmTiles.warp_specialize``; not the up input gradient,
+    whose two loops Triton 3.6 cannot specialize). Needs ``gemm_num_warps`` = 4. Not
+    yet measured on a GPU (off). Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
@@ -153,6 +159,9 @@ class UniEPConfig:
         if not -1 <= self.wgrad_expert_run <= 64:
             raise UniEPConfigError(f"wgrad_expert_run = {self.wgrad_expert_run} is not allowed; allowed values: "
                                    "-1 (by rows per expert), 0..64")
+        if self.gemm_warp_specialize and self.gemm_num_warps != 4:
+            raise UniEPConfigError(f"gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = "
+                                   f"{self.gemm_num_warps}")
         if self.wgrad_warp_specialize and (self.wgrad_num_warps != 4 or self.wgrad_expert_run == 0):
             raise UniEPConfigError(
                 f"wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 (the runs' loop "

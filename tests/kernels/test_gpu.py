@@ -111,6 +111,7 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(wgrad_expert_run=0),
         dict(wgrad_warp_specialize=True, wgrad_num_warps=4),
         dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
+        dict(gemm_warp_specialize=True, gemm_num_warps=4),
         dict(shared_experts_stream=not UniEPConfig().shared_experts_stream),
     ]
     for schedule in schedules:

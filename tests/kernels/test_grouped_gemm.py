@@ -369,6 +369,48 @@ class _SpyKernel:
         return run
 
 
+def test_row_gemm_warp_specialized_loops_give_the_same_bits(monkeypatch):
+    """Warp-specialized tiles specialize the gate/up and plain launches whose 16-bit
+    operands come through descriptors unscaled (the down projection scattered to (token,
+    k) too), with the bits of the same tiles without it; DUAL, scaled rows and half tiles
+    launch unspecialized (controls of the guard). The interpreter ignores the
+    specialization itself: the GPU schedule test checks its bits."""
+    import dataclasses
+
+    import uniep.kernels.grouped_gemm as gg
+    from uniep.kernels.grouped_gemm import DUAL
+
+    launched = []
+    monkeypatch.setattr(gg, "_grouped_gemm_kernel", _SpyKernel(gg._grouped_gemm_kernel, launched))
+    gen = torch.Generator().manual_seed(8)
+    counts = torch.tensor([5, 32, 0, 33, 17, 47])
+    E, P, D, H = counts.numel(), int(counts.sum()), 32, 48
+    rows = torch.randn(P, D, generator=gen).half()
+    w1, w3 = (torch.randn(E, H, D, generator=gen).half() for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=gen).half()
+    h = torch.randn(P, H, generator=gen).half()
+    scatter = torch.randperm(P, generator=gen)
+    off = row_tiles(counts, 32, P)  # half tiles need 32 rows
+    plain = dataclasses.replace(TILES, block_m=32, num_warps=4, descriptors=True)
+    specialized = dataclasses.replace(plain, warp_specialize=True)
+
+    def launches(tiles, **extra):
+        launched.clear()
+        gate_up = grouped_gemm(rows, w1, off, P, transpose_w=True, tiles=tiles, mode=SWIGLU_FWD, w2_E=w3, **extra)
+        down = grouped_gemm(h, w2, off, P, transpose_w=True, tiles=tiles, mode=PLAIN, c_row=scatter)
+        dual = grouped_gemm(h, w1, off, P, transpose_w=False, tiles=tiles, mode=DUAL, a2=h, w2_E=w3)
+        return (*gate_up, down, dual), [flags["WARP_SPECIALIZE"] for flags in launched]
+
+    expected, flags = launches(plain)
+    got, flags_ws = launches(specialized)
+    assert (flags, flags_ws) == ([False] * 3, [True, True, False])
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(got)
+    torch.testing.assert_close(got[1].float(), grouped_gemm_reference(rows, w1, counts.tolist(), transpose_w=True),
+                               **TOL[torch.float16])
+    assert launches(specialized, a_scale=torch.rand(P, generator=gen))[1][0] is False
+    assert launches(dataclasses.replace(specialized, half_tiles=True))[1] == [False] * 3
+
+
 def test_warp_specialized_tiles_need_four_warps():
     with pytest.raises(ValueError, match="warp_specialize needs num_warps = 4"):
         GemmTiles(warp_specialize=True)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from uniep.kernels.grouped_gemm import (
+    WARP_SPECIALIZED_PROGRAMS_PER_SM,
     GemmTiles,
     _num_programs,
     dot_precision,
@@ -282,12 +283,6 @@ def expert_run_for(tiles: GemmTiles, rows: int, num_experts: int) -> int:
     if rows <= RUNS_UP_TO_ROWS_PER_EXPERT * num_experts:
         return 4
     return 1 if tiles.warp_specialize else 0
-
-
-# A warp-specialized weight-gradient program runs three warp groups (12 warps from 4):
-# compiled for sm_90 by Triton 3.6 here, 168 registers each at 128x128 tiles, so one
-# program fills an SM's 64K registers.
-WARP_SPECIALIZED_PROGRAMS_PER_SM = 1
 
 
 def warp_specialized(tiles: GemmTiles, expert_run: int, a: torch.Tensor, b_desc: bool, scaled: bool) -> bool:
