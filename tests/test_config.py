@@ -38,6 +38,8 @@ def test_from_dict_sets_values():
         ({"wgrad_warp_specialize": True, "wgrad_num_warps": 4, "wgrad_expert_run": 0},
          r"wgrad_warp_specialize = true needs .*wgrad_expert_run = 0"),
         ({"gemm_warp_specialize": True}, r"uniep\.gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = 8"),
+        ({"config": "auto", "wgrad_warp_specialize": True, "wgrad_num_warps": 4},
+         r"need explicit tiles: the tuner \(config = 'auto'\) does not search them"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),
     ],

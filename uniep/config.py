@@ -159,6 +159,9 @@ class UniEPConfig:
         if not -1 <= self.wgrad_expert_run <= 64:
             raise UniEPConfigError(f"wgrad_expert_run = {self.wgrad_expert_run} is not allowed; allowed values: "
                                    "-1 (by rows per expert), 0..64")
+        if self.config == "auto" and (self.gemm_warp_specialize or self.wgrad_warp_specialize):
+            raise UniEPConfigError("gemm_warp_specialize and wgrad_warp_specialize need explicit tiles: the tuner "
+                                   "(config = 'auto') does not search them; set config = 'explicit'")
         if self.gemm_warp_specialize and self.gemm_num_warps != 4:
             raise UniEPConfigError(f"gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = "
                                    f"{self.gemm_num_warps}")
