@@ -68,8 +68,9 @@ class UniEPConfig:
     """The forward GEMMs and the down input gradient warp-specialized by Triton: a
     producer warp group loads while two consumer warp groups compute
     (``kernels.grouped_gemm.GemmTiles.warp_specialize``; not the up input gradient,
-    whose two loops Triton 3.6 cannot specialize). Needs ``gemm_num_warps`` = 4. Not
-    yet measured on a GPU (off). Does not change bits."""
+    whose two loops Triton 3.6 cannot specialize). Needs ``gemm_num_warps`` = 4; gate/up
+    compiled for sm_90 spilled registers at ``gemm_up_block_n`` 128, not at 64. Not yet
+    measured on a GPU (off). Does not change bits."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
