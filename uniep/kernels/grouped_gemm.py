@@ -21,7 +21,9 @@ Grid: persistent, ``NUM_PROGRAMS`` programs; program ``p`` takes tiles
 ``p, p + NUM_PROGRAMS, ...`` of (row tile, column tile). Row tiles never cross experts;
 each output element is one dot product accumulated in fp32 over Kd in order, so the
 bits do not depend on ``NUM_PROGRAMS``. The tile schedule is read on the device (no
-host sync), from a ``row_tiles`` schedule built once per plan.
+host sync), from a ``row_tiles`` schedule built once per plan. Where the tiles ask
+(``GemmTiles.warp_specialize``) Triton warp-specializes the tile loop: the same dots in
+the same order.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ bitwise the same for any number of programs. An expert with no rows gets zeros.
 Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N)
 tiles, as many per SM as fit (``programs_per_sm``): dealt round-robin, or in runs of
 consecutive tiles of one expert (``GemmTiles.expert_run``), whose descriptors end at the
-expert's last row so that its partial last chunk of rows joins the pipelined loop. The
+expert's last row so that its partial last chunk of rows joins the pipelined loop; the
+runs' loop warp-specialized where the tiles ask (``GemmTiles.warp_specialize``). The
 bits are the same either way.
 """
 
