@@ -49,7 +49,7 @@ def test_bad_tables_are_rejected_with_the_field_named(table, message):
         UniEPConfig.from_dict(table)
 
 
-def test_warp_specialized_weight_gradients_reach_their_tiles():
+def test_warp_specialization_reaches_the_tiles_it_names():
     from uniep.kernels.grouped_gemm import ExpertTiles
 
     tiles = ExpertTiles.from_config(UniEPConfig(wgrad_warp_specialize=True, wgrad_num_warps=4))

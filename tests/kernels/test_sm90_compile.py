@@ -130,9 +130,8 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
                       expert_offsets_ptr="*i32")
         constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
-                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, WARP_SPECIALIZE=False, NUM_PROGRAMS=132, NUM_STAGES=3, BLOCK_M=128,
-                         BLOCK_N=256,
-                         BLOCK_K=64, DOT_PRECISION="tf32")
+                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, WARP_SPECIALIZE=False, NUM_PROGRAMS=132,
+                         NUM_STAGES=3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
     constants |= changes
     params = list(inspect.signature(kernel.fn).parameters)
     signature = {p: "constexpr" if p in constants else types[p] for p in params}
