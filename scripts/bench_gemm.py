@@ -194,7 +194,7 @@ def launches(p: dict, knobs: dict) -> dict:
                                 aux=(a1, a3))
         pair = p["grad_y"].new_empty(2, *a1.shape)
         grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
-        return swiglu_backward_(pair, a1, a3)
+        return swiglu_backward_(pair[0], a1, a3, pair[1])
 
     d_a1, d_a3 = down_dgrad()
     return dict(

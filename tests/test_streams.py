@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from uniep import UniEPConfig, UniEPMoE
+from uniep.shared_experts import MODULE_SHARED_EXPERTS, FusedSharedExperts
 from uniep.streams import CUDA_SIDE_STREAM, ONE_STREAM, SideStream
 
 # What a correct forward asks of the stream API, in order (names of _Streams's log).
@@ -70,18 +71,18 @@ def _layer():
     return layer
 
 
-def _logged_call(layer, streams_class, x, grad):
+def _logged_call(monkeypatch, layer, streams_class, x, grad):
+    import uniep.shared_experts as shared_experts
+
     log = []
     streams = _Streams(log)
-    layer._shared_streams = streams_class(streams)
-    shared, routed = layer._shared_experts, layer.experts.forward
-    layer._shared_experts = lambda t: log.append("shared experts") or shared(t)
-    layer.experts.forward = lambda *a: log.append("routed experts") or routed(*a)
+    layer._shared = FusedSharedExperts(streams_class(streams))
+    shared, routed = shared_experts.shared_hidden, layer.experts.forward
+    monkeypatch.setattr(shared_experts, "shared_hidden", lambda *a: log.append("shared experts") or shared(*a))
+    monkeypatch.setattr(layer.experts, "forward", lambda *a: log.append("routed experts") or routed(*a))
     xi = x.clone().requires_grad_(True)
     streams.x_ptr = xi.data_ptr()
-    got = _fwd_bwd(layer, xi, grad)
-    del layer._shared_experts, layer.experts.forward
-    return log, got
+    return log, _fwd_bwd(layer, xi, grad)
 
 
 def _fwd_bwd(layer, xi, grad):
@@ -93,13 +94,13 @@ def _fwd_bwd(layer, xi, grad):
 
 
 @pytest.mark.parametrize("streams_class, right", [(SideStream, True), (_NoWait, False)])
-def test_the_layer_overlaps_its_shared_experts_on_a_side_stream(streams_class, right):
+def test_the_layer_overlaps_its_shared_experts_on_a_side_stream(monkeypatch, streams_class, right):
     layer = _layer()
     x, grad = torch.randn(2, 9, 24), torch.randn(2, 9, 24)
-    layer._shared_streams = ONE_STREAM
+    layer._shared = FusedSharedExperts(ONE_STREAM)
     one_stream = _fwd_bwd(layer, x.clone().requires_grad_(True), grad)
 
-    log, side = _logged_call(layer, streams_class, x, grad)
+    log, side = _logged_call(monkeypatch, layer, streams_class, x, grad)
     assert (log == EXPECTED) == right, log
     assert all(torch.equal(a, b) for a, b in zip(one_stream, side))
 
@@ -112,6 +113,8 @@ def test_the_side_stream_is_chosen_on_cuda_only(monkeypatch):
         monkeypatch.setattr(UniEPMoE, "_device_type", lambda self, device=device: device)
         layer = UniEPMoE(24, 16, 4, 2, num_shared_experts=1,
                          config=UniEPConfig(backend=backend, shared_experts_stream=True))
-        assert layer._shared_streams is chosen, (backend, device)
+        streams = getattr(layer._shared, "streams", ONE_STREAM)
+        assert streams is chosen, (backend, device)
+        assert (layer._shared is MODULE_SHARED_EXPERTS) == (backend == "torch"), backend
         layer.config = UniEPConfig(backend=backend)
-        assert layer._shared_streams is ONE_STREAM
+        assert getattr(layer._shared, "streams", ONE_STREAM) is ONE_STREAM

@@ -130,11 +130,13 @@ class UniEPConfig:
     (TMA on Hopper) instead of pointer stores. Does not change bits."""
 
     shared_experts_stream: bool = False
-    """The shared experts run on a second CUDA stream beside the routed experts, forward
-    and backward, where the experts run on Triton (not under torch.compile): their GEMMs
-    overlap the routed path's memory-bound launches (``uniep.streams``). On one H200 the
-    layer ran no faster (the kernels side by side slow each other as much as they
-    overlap; benchmarks/RESULTS.md). Does not change bits."""
+    """The shared experts' first half (w1, w3, SwiGLU) runs on a second CUDA stream
+    beside the router and routed experts, where the experts run on Triton (not under
+    torch.compile): its GEMMs overlap the routed path's memory-bound launches
+    (``uniep.streams``). Its backward sums onto their input gradient, so it follows
+    them. On one H200 the layer ran no faster, measured when the whole shared forward
+    and backward ran on that stream (the kernels side by side slowed each other as much
+    as they overlapped; benchmarks/RESULTS.md). Does not change bits."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -19,14 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, Routing
 from uniep.paths import ExpertPath, build_expert_path, on_triton, runs_triton
 from uniep.plan import expert_order
 from uniep.routed_op import register_path, registered_path
 from uniep.router import TopKRouter
-from uniep.shared_experts import shared_swiglu
+from uniep.shared_experts import MODULE_SHARED_EXPERTS, FusedSharedExperts
 from uniep.streams import CUDA_SIDE_STREAM, ONE_STREAM
 
 # (config, EP group, experts, score_before_experts, device type) -> the id of their
@@ -136,7 +135,8 @@ class UniEPMoE(nn.Module):
         self._on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
         self.router.fused = self._on_triton
         side = config.shared_experts_stream and self._on_triton and key[-1] == "cuda"
-        self._shared_streams = CUDA_SIDE_STREAM if side else ONE_STREAM
+        self._shared = (FusedSharedExperts(CUDA_SIDE_STREAM if side else ONE_STREAM) if self._on_triton
+                        else MODULE_SHARED_EXPERTS)
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not
@@ -267,26 +267,29 @@ class UniEPMoE(nn.Module):
 
         # The shared experts first: their GEMMs keep the device busy while the host
         # issues the router's and the routing plan's many small ops (and, on a side
-        # stream, while the device runs them).
-        streams = ONE_STREAM if torch.compiler.is_compiling() else self._shared_streams
-        shared_TD = None if self.shared_experts is None else streams.start(self._shared_experts, x_TD)
+        # stream, while the device runs them). The fused ones hand x on, to collect
+        # the router's and routed experts' input gradients (``uniep.shared_experts``).
+        shared = self._shared_experts_now()
+        if shared is not None:
+            x_TD, pending = shared.start(self.shared_experts, x_TD)
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
         counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)
 
         out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
-        if shared_TD is not None:
-            out_TD = streams.wait(shared_TD) + out_TD
+        if shared is not None:
+            out_TD = shared.finish(self.shared_experts, pending, out_TD)
         return out_TD.view(B, S, D)
 
-    def _shared_experts(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """(T, D) shared-experts output, each row's bits independent of the batch: fused
-        launches (``uniep.shared_experts``) where the experts run on Triton, else (and
-        under torch.compile, whose Inductor fuses them) the module on fixed row blocks."""
-        if self._on_triton and not torch.compiler.is_compiling():
-            return shared_swiglu(x_TD, self.shared_experts)
-        return in_fixed_row_blocks(self.shared_experts, x_TD)
+    def _shared_experts_now(self):
+        """How this call runs the shared experts (None without them), each row's bits
+        independent of the batch: fused launches (``uniep.shared_experts``) where the
+        routed experts run on Triton, else (and under torch.compile, whose Inductor
+        fuses them) the module on fixed row blocks and an add."""
+        if self.shared_experts is None:
+            return None
+        return MODULE_SHARED_EXPERTS if torch.compiler.is_compiling() else self._shared
 
     def _check_routing(self, topk_idx: torch.Tensor, tokens: int) -> None:
         """A given routing: (tokens, top_k) integers in [0, E), no expert twice in a row."""

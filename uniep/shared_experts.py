@@ -1,70 +1,164 @@
-"""The shared experts' SwiGLU MLP in few launches, with the bits of a row independent of
-the batch.
+"""The shared experts' SwiGLU MLP, its output summed into the routed experts' output
+and its input gradient into theirs without a separate add, each row's bits
+independent of the batch.
 
-Shape legend: T tokens, D model dim, H the shared experts' hidden dim (all of them together).
+Shape legend: T tokens, D model dim, H the shared experts' hidden dim (all of them
+together); ``_pad``: rows padded up to a multiple of the row block.
 
-    out = (silu(x w1^T) * (x w3^T)) w2^T
+    out = routed + (silu(x w1^T) * (x w3^T)) w2^T
+
+A layer with shared experts calls them twice, around its router and routed experts:
+
+- ``shared_hidden`` first (its GEMMs keep the device busy while the host issues the
+  router's small ops): h = silu(a1) * a3 with a1 = x w1^T, a3 = x w3^T. It hands x on,
+  and the router and the routed experts take that x: the gradients they send back
+  through it (autograd sums those two) arrive in its backward, which adds
+  ``d_a1 w1 + d_a3 w3`` onto them in place, in the GEMMs' epilogue.
+- ``add_shared_output`` last: ``routed += h w2^T`` in place, the routed output added in
+  the GEMMs' epilogue (rounded once). Its backward hands the output gradient on to the
+  routed experts as it is.
+
+So the layer's output takes no separate add and its input gradient one (of the router's
+and the routed experts' parts) instead of two; each add moved three (T, D) tensors
+through memory (``benchmarks/RESULTS.md`` has their time).
 
 The row-wise GEMMs (each row's a1, a3 and output, and in the backward each row's input
 gradient) run on fixed blocks of rows, the last zero-padded (``uniep.batch_invariant``),
-so every call sees the same shapes. The elementwise SwiGLU and its backward run once
-over all rows (Triton launches, fp32 math: an elementwise launch computes every element
-with the same code), and each weight gradient is one GEMM over all rows (a sum over the
-batch, which no split of the batch keeps bitwise anyway). Against the module run block by
-block under autograd, this drops the per-block elementwise ops, the cat of the blocks'
-outputs and the sums of the blocks' weight gradients. The layer uses it where its
-experts run on Triton, outside torch.compile (where Inductor fuses the module's ops).
+so every call sees the same shapes; where a sum target's last block is partial, the
+block is summed on a zero-padded copy (the same GEMM) and copied back. The elementwise
+SwiGLU and its backward run once over all rows (Triton launches, fp32 math: an
+elementwise launch computes every element with the same code), and each weight gradient
+is one GEMM over all rows (a sum over the batch, which no split of the batch keeps
+bitwise anyway). The layer uses this where its experts run on Triton, outside
+torch.compile (where Inductor fuses the module's ops and the sum).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from uniep.batch_invariant import blocked_mm, padded_to_blocks, row_blocks, rows_per_block
+from uniep.batch_invariant import blocked_mm, in_fixed_row_blocks, padded_to_blocks, row_blocks, rows_per_block
 from uniep.kernels.swiglu import swiglu_backward_, swiglu_forward
 
 
-class _SharedSwiGLU(torch.autograd.Function):
+def _add_products_(acc_TD: torch.Tensor, products: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                   block: int) -> torch.Tensor:
+    """``acc_TD += sum of a_pad @ b`` over ``products`` in place, in their order, one
+    block of ``block`` rows at a time (the a_pad's rows: ``acc_TD``'s, padded to a
+    multiple of ``block``)."""
+    T = acc_TD.shape[0]
+    for rows in row_blocks(products[0][0].shape[0], block):
+        partial = rows.stop > T
+        target = F.pad(acc_TD[rows.start:], (0, 0, 0, rows.stop - T)) if partial else acc_TD[rows]
+        for a_pad, b in products:
+            target.addmm_(a_pad[rows], b)
+        if partial:
+            acc_TD[rows.start:] = target[:T - rows.start]
+    return acc_TD
+
+
+class _SharedHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w1_HD, w2_DH, w3_HD, block: int):
-        T = x_TD.shape[0]
+    def forward(ctx, x_TD, w1_HD, w3_HD, block: int):
         x_pad = padded_to_blocks(x_TD.contiguous(), block)
-        rows = x_pad.shape[0]
-        a = x_pad.new_empty(2, rows, w1_HD.shape[0])  # a1, a3
-        out = x_pad.new_empty(rows, w2_DH.shape[0])
+        a = x_pad.new_empty(2, x_pad.shape[0], w1_HD.shape[0])  # a1, a3
         blocked_mm(x_pad, w1_HD.t(), a[0], block)
         blocked_mm(x_pad, w3_HD.t(), a[1], block)
-        h = swiglu_forward(a[0], a[1])
-        blocked_mm(h, w2_DH.t(), out, block)
-        ctx.save_for_backward(x_pad, a, h, w1_HD, w2_DH, w3_HD)
-        ctx.tokens, ctx.block = T, block
-        return out[:T]
+        h_pad = swiglu_forward(a[0], a[1])
+        ctx.save_for_backward(x_pad, a, w1_HD, w3_HD)
+        ctx.tokens, ctx.block = x_TD.shape[0], block
+        ctx.set_materialize_grads(False)
+        if not ctx.needs_input_grad[0]:
+            ctx.mark_non_differentiable(x_TD)
+        return h_pad, x_TD
+
+    @staticmethod
+    def backward(ctx, grad_h_pad, grad_x_TD):
+        x_pad, a, w1_HD, w3_HD = ctx.saved_tensors
+        T, block = ctx.tokens, ctx.block
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the router's and routed experts' part (none: zeros)
+            grad_x = x_pad.new_zeros(T, x_pad.shape[1]) if grad_x_TD is None else grad_x_TD.contiguous()
+        if grad_h_pad is None:
+            return grad_x, None, None, None
+        # d h, which add_shared_output's backward allocated, becomes d a1 in place
+        d_a1, d_a3 = swiglu_backward_(grad_h_pad.contiguous(), a[0], a[1], torch.empty_like(a[1]))
+        if grad_x is not None:
+            _add_products_(grad_x, ((d_a1, w1_HD), (d_a3, w3_HD)), block)
+        grad_w1 = d_a1[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[1] else None
+        grad_w3 = d_a3[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w1, grad_w3, None
+
+
+class _SharedOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_pad, w2_DH, routed_TD, block: int):
+        _add_products_(routed_TD, ((h_pad, w2_DH.t()),), block)
+        ctx.mark_dirty(routed_TD)
+        ctx.save_for_backward(h_pad, w2_DH)
+        ctx.block = block
+        return routed_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_pad, a, h, w1_HD, w2_DH, w3_HD = ctx.saved_tensors
-        T, block = ctx.tokens, ctx.block
-        rows = x_pad.shape[0]
-        grad_pad = padded_to_blocks(grad_TD.contiguous(), block)
-        pair = torch.empty_like(a)  # d h, then d a1 and d a3 in place
-        blocked_mm(grad_pad, w2_DH, pair[0], block)
-        d_a1, d_a3 = swiglu_backward_(pair, a[0], a[1])
-        grad_x = torch.empty_like(x_pad)
-        for b in row_blocks(rows, block):
-            torch.mm(d_a1[b], w1_HD, out=grad_x[b])
-            grad_x[b].addmm_(d_a3[b], w3_HD)
-        grad_w2 = grad_TD.t().mm(h[:T]) if ctx.needs_input_grad[2] else None
-        grad_w1 = d_a1[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[1] else None
-        grad_w3 = d_a3[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[3] else None
-        return grad_x[:T], grad_w1, grad_w2, grad_w3, None
+        h_pad, w2_DH = ctx.saved_tensors
+        T = grad_TD.shape[0]
+        grad_h_pad = None
+        if ctx.needs_input_grad[0]:
+            grad_pad = padded_to_blocks(grad_TD.contiguous(), ctx.block)
+            grad_h_pad = blocked_mm(grad_pad, w2_DH, torch.empty_like(h_pad), ctx.block)
+        grad_w2 = grad_TD.t().mm(h_pad[:T]) if ctx.needs_input_grad[1] else None
+        return grad_h_pad, grad_w2, grad_TD, None
 
 
-def shared_swiglu(x_TD: torch.Tensor, ffn: torch.nn.Module) -> torch.Tensor:
-    """(T, D): the shared-experts module ``ffn`` (``w1``, ``w2``, ``w3`` linear layers
-    without bias, as TorchTitan's ``FeedForward``) applied to ``x_TD`` (see the module
-    docstring)."""
+def shared_hidden(x_TD: torch.Tensor, ffn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h_pad, x_TD handed on)`` of the shared-experts module ``ffn`` (``w1``, ``w2``,
+    ``w3`` linear layers without bias, as TorchTitan's ``FeedForward``): the caller
+    passes h_pad to :func:`add_shared_output` and the x returned here, not its own, to
+    the rest of the layer (see the module docstring)."""
     w1, w2, w3 = ffn.w1.weight, ffn.w2.weight, ffn.w3.weight
     if not (w1.dtype == w2.dtype == w3.dtype == x_TD.dtype):
-        raise ValueError(f"shared_swiglu: x and the weights must share a dtype; got x {x_TD.dtype}, "
+        raise ValueError(f"shared_hidden: x and the weights must share a dtype; got x {x_TD.dtype}, "
                          f"w1 {w1.dtype}, w2 {w2.dtype}, w3 {w3.dtype}")
-    return _SharedSwiGLU.apply(x_TD, w1, w2, w3, rows_per_block(x_TD.device))
+    return _SharedHidden.apply(x_TD, w1, w3, rows_per_block(x_TD.device))
+
+
+def add_shared_output(h_pad: torch.Tensor, ffn: torch.nn.Module, routed_TD: torch.Tensor) -> torch.Tensor:
+    """(T, D): ``routed_TD + h w2^T``, written over ``routed_TD`` (the routed experts'
+    output, taken over) where it is contiguous, else over a contiguous copy."""
+    if routed_TD.dtype != h_pad.dtype or routed_TD.shape[1] != ffn.w2.weight.shape[0]:
+        raise ValueError(f"add_shared_output: the routed output must be (tokens, {ffn.w2.weight.shape[0]}) in "
+                         f"{h_pad.dtype}; got {tuple(routed_TD.shape)} in {routed_TD.dtype}")
+    return _SharedOutput.apply(h_pad, ffn.w2.weight, routed_TD.contiguous(), rows_per_block(routed_TD.device))
+
+
+class ModuleSharedExperts:
+    """The module on fixed row blocks, its output added to the routed output (the
+    PyTorch backend; and under torch.compile, whose Inductor fuses the module's ops and
+    the add). ``start(ffn, x) -> (x for the rest of the layer, pending)``, then
+    ``finish(ffn, pending, routed) -> out``, as :class:`FusedSharedExperts`."""
+
+    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x_TD, in_fixed_row_blocks(ffn, x_TD)
+
+    def finish(self, ffn: torch.nn.Module, shared_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        return shared_TD + routed_TD
+
+
+class FusedSharedExperts:
+    """:func:`shared_hidden` on ``streams`` (``uniep.streams``: the current stream, or a
+    side stream that the sum waits for), then :func:`add_shared_output`."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h_pad, x_TD = self.streams.start(shared_hidden, x_TD, ffn)
+        return x_TD, h_pad
+
+    def finish(self, ffn: torch.nn.Module, h_pad: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        return add_shared_output(self.streams.wait(h_pad), ffn, routed_TD)
+
+
+MODULE_SHARED_EXPERTS = ModuleSharedExperts()

@@ -1,11 +1,12 @@
 """Work issued on a second stream of the device, beside the current one.
 
-The layer can run its shared experts there (``UniEPConfig.shared_experts_stream``):
-their GEMMs then overlap the routed path's launches that leave the tensor cores idle
-(router, row copy, SwiGLU, combine, the sums) and the gaps between launches. Autograd
-runs each backward on the stream its forward ran on, so the shared experts' backward
-overlaps the routed backward in the same way. Every launch computes what it computes
-on one stream: the bits do not change.
+The layer can run its shared experts' first half there (``UniEPConfig.shared_experts_stream``;
+``uniep.shared_experts.shared_hidden``): its GEMMs then overlap the router's and routed
+path's launches that leave the tensor cores idle (router, row copy, SwiGLU, combine,
+the sums) and the gaps between launches. Autograd runs each backward on the stream its
+forward ran on; that half's backward sums onto the input gradient of the router and the
+routed experts, so it follows them. Every launch computes what it computes on one
+stream: the bits do not change.
 
 Both strategies have one interface, ``start(fn, x, *args)`` then ``wait(out)``.
 """

@@ -45,11 +45,12 @@ def rel_err(a, b):
 def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     """On CUDA only the router's GEMM runs in fixed row blocks (its activation once on the
     whole batch, ``ELEMENTWISE_BATCH_INVARIANT``), and the shared experts' SwiGLU once on
-    the whole batch (``uniep.shared_experts``): each token's scores, shared-experts output
-    and its input gradient must still have the same bits whatever the rows around it, as
-    expert parallelism needs."""
+    the whole batch (``uniep.shared_experts``, its sums into a routed part in the GEMMs'
+    epilogue): each token's scores, shared-experts output and its input gradient must
+    still have the same bits whatever the rows around it, as expert parallelism needs."""
     from uniep import UniEPMoE
     from uniep.batch_invariant import ROWS_PER_BLOCK, in_fixed_row_blocks
+    from uniep.shared_experts import add_shared_output, shared_hidden
 
     torch.manual_seed(0)
     layer = UniEPMoE(256, 128, 16, 4, num_shared_experts=1, score_func=score_func).cuda().to(torch.bfloat16)
@@ -59,15 +60,19 @@ def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     grad = torch.randn_like(x)
     assert layer._on_triton  # the shared experts' fused launches (uniep.shared_experts)
 
+    def fused_shared(t):  # with a routed part (doubling: exact) and its input gradient
+        h_pad, t_on = shared_hidden(t, layer.shared_experts)
+        return add_shared_output(h_pad, layer.shared_experts, t_on * 2.0)
+
     def shared_input_grad(t, g):
         t = t.clone().requires_grad_(True)
-        layer._shared_experts(t).backward(g)
+        fused_shared(t).backward(g)
         return t.grad
 
     sizes = (7, 1000, block, block + 1)
     with torch.no_grad():
         for fn in (lambda t: layer.router(t)[0], lambda t: in_fixed_row_blocks(layer.shared_experts, t),
-                   layer._shared_experts):
+                   fused_shared):
             whole = fn(x)
             for size in sizes:
                 assert torch.equal(torch.cat([fn(part) for part in x.split(size)]), whole), size

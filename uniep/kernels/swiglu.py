@@ -14,9 +14,9 @@ fused epilogue of the SwiGLU-backward GEMM (``grouped_gemm``'s ``SWIGLU_BWD``, u
 the megakernel) and this launch both call it, so the separate and the fused backward
 give the same bits.
 
-The launch works in place on a (2, R, H) pair buffer: ``pair[0]`` holds g on entry and
-d a1 on return, ``pair[1]`` receives d a3 (the layout the w1/w3 weight gradient reads
-as one stacked operand).
+The backward launch overwrites g with d a1 and writes d a3 into a second buffer: the
+routed experts pass the two halves of a (2, R, H) pair buffer (the layout their w1/w3
+weight gradient reads as one stacked operand), the shared experts two tensors.
 """
 
 from __future__ import annotations
@@ -66,28 +66,30 @@ def swiglu_backward_math(g, a1, a3):
 
 
 @triton.jit
-def _swiglu_backward_kernel(pair_ptr, a1_ptr, a3_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(g_ptr, d_a3_ptr, a1_ptr, a3_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(pair_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     d_a1, d_a3 = swiglu_backward_math(g, tl.load(a1_ptr + offs, mask=mask), tl.load(a3_ptr + offs, mask=mask))
-    out_ty = pair_ptr.dtype.element_ty
-    tl.store(pair_ptr + offs, d_a1.to(out_ty), mask=mask)
-    tl.store(pair_ptr + n + offs, d_a3.to(out_ty), mask=mask)
+    tl.store(g_ptr + offs, d_a1.to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_a3_ptr + offs, d_a3.to(d_a3_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_backward_(pair: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on ``pair`` (2, R, H), whose ``pair[0]`` holds g: returns (d a1, d a3),
-    its two halves."""
-    if pair.dim() != 3 or pair.shape[0] != 2 or not pair.is_contiguous():
-        raise ValueError(f"swiglu_backward_: pair must be a contiguous (2, R, H) buffer; got {tuple(pair.shape)}")
-    if a1.shape != pair.shape[1:] or a3.shape != a1.shape or not (a1.is_contiguous() and a3.is_contiguous()):
-        raise ValueError(f"swiglu_backward_: a1, a3 must be contiguous {tuple(pair.shape[1:])}; "
-                         f"got {tuple(a1.shape)}, {tuple(a3.shape)}")
-    n = a1.numel()
+def swiglu_backward_(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor,
+                     d_a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``g``, the gradient of h, becomes d a1, and ``d_a3`` receives d a3
+    (four contiguous tensors of one shape and dtype); returns (d a1, d a3), that is
+    ``(g, d_a3)``."""
+    buffers = {"g": g, "a1": a1, "a3": a3, "d_a3": d_a3}
+    bad = [name for name, t in buffers.items()
+           if t.shape != g.shape or t.dtype != g.dtype or not t.is_contiguous()]
+    if bad:
+        raise ValueError("swiglu_backward_: g, a1, a3 and d_a3 must be contiguous tensors of one shape and dtype; got "
+                         + ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in buffers.items()))
+    n = g.numel()
     if n:
-        launcher(_swiglu_backward_kernel)[(cdiv(n, _BLOCK),)](pair, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
-    return pair[0], pair[1]
+        launcher(_swiglu_backward_kernel)[(cdiv(n, _BLOCK),)](g, d_a3, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
+    return g, d_a3
 
 
 def swiglu_backward_reference(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
