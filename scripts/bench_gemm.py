@@ -52,7 +52,7 @@ from uniep.kernels.grouped_gemm import (  # noqa: E402
 )
 from uniep.kernels.launch import compiled_kernels  # noqa: E402
 from uniep.kernels.row_tiles import row_tiles  # noqa: E402
-from uniep.kernels.swiglu import swiglu_backward_  # noqa: E402
+from uniep.kernels.swiglu import swiglu_backward  # noqa: E402
 from uniep.kernels.wgrad import grouped_wgrad, grouped_wgrad_reference  # noqa: E402
 
 # variant name -> config knobs changed from the defaults, or how a launch is done:
@@ -194,7 +194,7 @@ def launches(p: dict, knobs: dict) -> dict:
                                 aux=(a1, a3))
         pair = p["grad_y"].new_empty(2, *a1.shape)
         grouped_gemm(p["grad_y"], p["w2"], schedule, P, transpose_w=False, tiles=gemm, mode=PLAIN, out=pair[0])
-        return swiglu_backward_(pair[0], a1, a3, pair[1])
+        return swiglu_backward(pair[0], a1, a3, pair[0], pair[1])
 
     d_a1, d_a3 = down_dgrad()
     return dict(

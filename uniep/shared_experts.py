@@ -13,7 +13,10 @@ A layer with shared experts calls them twice, around its router and routed exper
   router's small ops): h = silu(a1) * a3 with a1 = x w1^T, a3 = x w3^T. It hands x on,
   and the router and the routed experts take that x: the gradients they send back
   through it (autograd sums those two) arrive in its backward, which adds
-  ``d_a1 w1 + d_a3 w3`` onto them in place, in the GEMMs' epilogue.
+  ``[d_a1 | d_a3] [w1; w3]`` onto them in place, in the GEMM's epilogue. The SwiGLU
+  backward writes d a1 and d a3 side by side, so that sum is one GEMM over 2H per row
+  block (on the weights stacked for it) and the w1 and w3 gradients one (2H, D) GEMM,
+  whose two halves they are.
 - ``add_shared_output`` last: ``routed += h w2^T`` in place, the routed output added in
   the GEMMs' epilogue (rounded once). Its backward hands the output gradient on to the
   routed experts as it is.
@@ -39,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from uniep.batch_invariant import blocked_mm, in_fixed_row_blocks, padded_to_blocks, row_blocks, rows_per_block
-from uniep.kernels.swiglu import swiglu_backward_, swiglu_forward
+from uniep.kernels.swiglu import swiglu_backward, swiglu_forward
 
 
 def _add_products_(acc_TD: torch.Tensor, products: tuple[tuple[torch.Tensor, torch.Tensor], ...],
@@ -82,12 +85,17 @@ class _SharedHidden(torch.autograd.Function):
             grad_x = x_pad.new_zeros(T, x_pad.shape[1]) if grad_x_TD is None else grad_x_TD.contiguous()
         if grad_h_pad is None:
             return grad_x, None, None, None
-        # d h, which add_shared_output's backward allocated, becomes d a1 in place
-        d_a1, d_a3 = swiglu_backward_(grad_h_pad.contiguous(), a[0], a[1], torch.empty_like(a[1]))
+        H = a.shape[2]
+        d_a = grad_h_pad.new_empty(a.shape[1], 2 * H)  # [d a1 | d a3]: one operand over 2H
+        swiglu_backward(grad_h_pad.contiguous(), a[0], a[1], d_a[:, :H], d_a[:, H:])
+        del grad_h_pad
         if grad_x is not None:
-            _add_products_(grad_x, ((d_a1, w1_HD), (d_a3, w3_HD)), block)
-        grad_w1 = d_a1[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[1] else None
-        grad_w3 = d_a3[:T].t().mm(x_pad[:T]) if ctx.needs_input_grad[2] else None
+            _add_products_(grad_x, ((d_a, torch.cat([w1_HD, w3_HD])),), block)
+        grad_w1 = grad_w3 = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_w13 = d_a[:T].t().mm(x_pad[:T])  # (2H, D): w1's rows, then w3's
+            grad_w1 = grad_w13[:H] if ctx.needs_input_grad[1] else None
+            grad_w3 = grad_w13[H:] if ctx.needs_input_grad[2] else None
         return grad_x, grad_w1, grad_w3, None
 
 

@@ -1,4 +1,4 @@
-"""The GEMM and router kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
+"""The GEMM, router and SwiGLU-backward kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
 its bundled ptxas, no GPU. The interpreter runs the kernels' Python; only the compiler
 sees what it rejects (a variable a constexpr branch leaves undefined, a descriptor of
 the wrong rank, a shared-memory overflow), and without this test such an error shows
@@ -39,6 +39,7 @@ GEMM = "grouped_gemm"
 WGRAD = "wgrad"
 ROUTER = "router_select"
 ROUTER_BWD = "router_select_backward"
+SWIGLU_BWD = "swiglu_backward"
 CASES = {
     "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
     "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
@@ -72,6 +73,8 @@ CASES = {
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
     "router choice backward": (ROUTER_BWD, dict()),
+    "SwiGLU backward, in place (routed experts)": (SWIGLU_BWD, dict()),
+    "SwiGLU backward, into a stacked buffer (shared experts)": (SWIGLU_BWD, dict(STRIDED_OUT=True)),
     # float32 (the debug configs) at the default tiles fitted for IEEE dots: the operands
     # sit in registers, and at the bf16 tiles the compiler spilled (control below)
     "float32 gate/up, fitted": (GEMM, dict(MODE=1, **_fp32_fitted("up", b_tiles=2))),
@@ -96,7 +99,7 @@ def compile_sm90(name: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from uniep.kernels import grouped_gemm, router_select, wgrad
+    from uniep.kernels import grouped_gemm, router_select, swiglu, wgrad
 
     kind, changes = CASES[name]
     changes = dict(changes)
@@ -114,6 +117,11 @@ def compile_sm90(name: str) -> dict:
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
                          B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, WARP_SPECIALIZE=False, NUM_PROGRAMS=132,
                          BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
+    elif kind == SWIGLU_BWD:
+        kernel = swiglu._swiglu_backward_kernel
+        types = dict.fromkeys(("g_ptr", "a1_ptr", "a3_ptr", "d_a1_ptr", "d_a3_ptr"), "*bf16")
+        types |= dict.fromkeys(("n", "R", "H", "out_row_stride"), "i32")
+        constants = dict(STRIDED_OUT=False, BLOCK=2048, BLOCK_H=128)
     elif kind in (ROUTER, ROUTER_BWD):
         kernel = (router_select._router_select_kernel if kind == ROUTER
                   else router_select._router_select_backward_kernel)

@@ -1,6 +1,7 @@
 """SwiGLU backward launch: against autograd in fp32, in place on the gradient of h (the
-two halves of a pair buffer, or two tensors), and the same bits as the fused
-SwiGLU-backward epilogue of the grouped GEMM (the megakernel's)."""
+first half of a pair buffer) or into the column halves of a stacked (R, 2H) buffer, and
+the same bits as the fused SwiGLU-backward epilogue of the grouped GEMM (the
+megakernel's)."""
 
 import pytest
 import torch
@@ -8,39 +9,49 @@ import torch
 from tests.kernels.routing import make_routing
 from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_BWD, GemmTiles, grouped_gemm
 from uniep.kernels.row_tiles import row_tiles
-from uniep.kernels.swiglu import swiglu_backward_, swiglu_backward_reference
+from uniep.kernels.swiglu import swiglu_backward, swiglu_backward_reference
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-def test_matches_autograd_in_place(dtype, tol):
+@pytest.mark.parametrize("R, H", [(37, 24), (5, 200)])  # R * H not a multiple of the block; H of the column tile
+def test_matches_autograd_in_place_and_stacked(dtype, tol, R, H):
     gen = torch.Generator().manual_seed(0)
-    R, H = 37, 24  # R * H not a multiple of the block
     pair = torch.empty(2, R, H, dtype=dtype)
     g = (torch.randn(R, H, generator=gen) * 3).to(dtype)
     a1, a3 = ((torch.randn(R, H, generator=gen) * 4).to(dtype) for _ in range(2))
     pair[0] = g
-    d_a1, d_a3 = swiglu_backward_(pair[0], a1, a3, pair[1])
+    d_a1, d_a3 = swiglu_backward(pair[0], a1, a3, pair[0], pair[1])
     assert d_a1.data_ptr() == pair.data_ptr() and d_a3.data_ptr() == pair[1].data_ptr()
     ref1, ref3 = swiglu_backward_reference(g, a1, a3)
     for got, ref in ((d_a1, ref1), (d_a3, ref3)):
         assert ((got.float() - ref).norm() / ref.norm()).item() < tol
-    # two separate tensors: the same bits
-    apart = swiglu_backward_(g.clone(), a1, a3, torch.empty_like(g))
-    assert torch.equal(apart[0], d_a1) and torch.equal(apart[1], d_a3)
+    # side by side in one (R, 2H) buffer: the same bits, g kept
+    stacked = torch.full((R, 2 * H), float("nan"), dtype=dtype)
+    g_kept = g.clone()
+    swiglu_backward(g_kept, a1, a3, stacked[:, :H], stacked[:, H:])
+    assert torch.equal(stacked[:, :H], d_a1) and torch.equal(stacked[:, H:], d_a3) and torch.equal(g_kept, g)
     # negative control: a1 and a3 swapped is far off
     pair[0] = g
-    wrong, _ = swiglu_backward_(pair[0], a3, a1, pair[1])
+    wrong, _ = swiglu_backward(pair[0], a3, a1, pair[0], pair[1])
     assert ((wrong.float() - ref1).norm() / ref1.norm()).item() > 0.1
 
 
 def test_rejects_buffers_of_the_wrong_shape():
-    four = "g, a1, a3 and d_a3 must be contiguous tensors of one shape and dtype"
-    with pytest.raises(ValueError, match=rf"{four}; got g \(4, 5\) torch.float32, a1 \(4, 6\)"):
-        swiglu_backward_(torch.empty(4, 5), torch.empty(4, 6), torch.empty(4, 5), torch.empty(4, 5))
-    with pytest.raises(ValueError, match=four):
-        swiglu_backward_(torch.empty(4, 5), torch.empty(4, 5), torch.empty(4, 5), torch.empty(4, 5).half())
-    with pytest.raises(ValueError, match=four):
-        swiglu_backward_(torch.empty(5, 4).t(), torch.empty(4, 5), torch.empty(4, 5), torch.empty(4, 5))
+    e = torch.empty
+    inputs = r"g, a1 and a3 must be contiguous \(R, H\) tensors of one dtype"
+    with pytest.raises(ValueError, match=rf"{inputs}; got g \(4, 5\) torch.float32, a1 \(4, 6\)"):
+        swiglu_backward(e(4, 5), e(4, 6), e(4, 5), e(4, 5), e(4, 5))
+    with pytest.raises(ValueError, match=inputs):
+        swiglu_backward(e(4, 5), e(4, 5), e(4, 5).half(), e(4, 5), e(4, 5))
+    with pytest.raises(ValueError, match=inputs):
+        swiglu_backward(e(5, 4).t(), e(4, 5), e(4, 5), e(4, 5), e(4, 5))
+    outputs = r"d_a1 and d_a3 must be \(4, 5\) in torch.float32 with unit column stride and one row stride"
+    with pytest.raises(ValueError, match=rf"{outputs}; got d_a1 \(4, 5\) torch.float32 strides \(1, 4\)"):
+        swiglu_backward(e(4, 5), e(4, 5), e(4, 5), e(5, 4).t(), e(4, 5))
+    with pytest.raises(ValueError, match=outputs):  # two row strides
+        swiglu_backward(e(4, 5), e(4, 5), e(4, 5), e(4, 10)[:, :5], e(4, 5))
+    with pytest.raises(ValueError, match=outputs):
+        swiglu_backward(e(4, 5), e(4, 5), e(4, 5), e(4, 5), e(4, 6))
     offsets = row_tiles(torch.tensor([4]), 16, 4)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 6\) tensor, for PLAIN or DUAL"):
         grouped_gemm(torch.randn(4, 5), torch.randn(1, 6, 5), offsets, 4, transpose_w=True,
@@ -67,5 +78,5 @@ def test_separate_launches_give_the_bits_of_the_fused_epilogue(dtype):
     # tile's dots differently (seen with numpy 2.4 on OpenBLAS), a GPU's tensor cores not
     grouped_gemm(grad_y, w2, offsets, P, transpose_w=False, tiles=GemmTiles(16, 16, 16, num_programs=2), mode=PLAIN,
                  out=pair[0])
-    separate = swiglu_backward_(pair[0], a1, a3, pair[1])
+    separate = swiglu_backward(pair[0], a1, a3, pair[0], pair[1])
     assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])

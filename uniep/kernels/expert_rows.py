@@ -37,7 +37,7 @@ from uniep.kernels.grouped_gemm import (
     grouped_gemm,
 )
 from uniep.kernels.row_tiles import RowTiles, row_tiles
-from uniep.kernels.swiglu import swiglu_backward_
+from uniep.kernels.swiglu import swiglu_backward
 from uniep.kernels.wgrad import grouped_wgrad
 
 
@@ -123,7 +123,7 @@ def _down_input_grad(state: ExpertRowsState, tiles: ExpertTiles) -> tuple[torch.
     pair = state.grad_y.new_empty(2, *state.a1.shape)
     grouped_gemm(state.grad_y, state.weight(1), state.schedule, state.num_rows, transpose_w=False, tiles=tiles.gemm,
                  mode=PLAIN, out=pair[0])
-    d_a1, d_a3 = swiglu_backward_(pair[0], state.a1, state.a3, pair[1])
+    d_a1, d_a3 = swiglu_backward(pair[0], state.a1, state.a3, pair[0], pair[1])
     state.a1 = state.a3 = None
     return d_a1, d_a3
 

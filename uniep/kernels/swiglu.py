@@ -14,9 +14,11 @@ fused epilogue of the SwiGLU-backward GEMM (``grouped_gemm``'s ``SWIGLU_BWD``, u
 the megakernel) and this launch both call it, so the separate and the fused backward
 give the same bits.
 
-The backward launch overwrites g with d a1 and writes d a3 into a second buffer: the
-routed experts pass the two halves of a (2, R, H) pair buffer (the layout their w1/w3
-weight gradient reads as one stacked operand), the shared experts two tensors.
+The backward launch writes d a1 and d a3 where it is told: the routed experts pass the
+two halves of a (2, R, H) pair buffer, the first holding g (in place; the layout their
+w1/w3 weight gradient reads as one stacked operand), the shared experts the two column
+halves of an (R, 2H) buffer (the operand of one input-gradient and one weight-gradient
+GEMM over 2H).
 """
 
 from __future__ import annotations
@@ -66,30 +68,51 @@ def swiglu_backward_math(g, a1, a3):
 
 
 @triton.jit
-def _swiglu_backward_kernel(g_ptr, d_a3_ptr, a1_ptr, a3_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _swiglu_backward_kernel(g_ptr, a1_ptr, a3_ptr, d_a1_ptr, d_a3_ptr, n, R, H, out_row_stride,
+                            STRIDED_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    if STRIDED_OUT:  # (rows, columns) tiles: the outputs' rows out_row_stride apart (no division)
+        rows = tl.program_id(0).to(tl.int64) * (BLOCK // BLOCK_H) + tl.arange(0, BLOCK // BLOCK_H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (rows < R)[:, None] & (cols < H)[None, :]
+        offs = rows[:, None] * H + cols[None, :]
+        out = rows[:, None] * out_row_stride + cols[None, :]
+    else:  # flat: the outputs contiguous like g
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        out = offs
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     d_a1, d_a3 = swiglu_backward_math(g, tl.load(a1_ptr + offs, mask=mask), tl.load(a3_ptr + offs, mask=mask))
-    tl.store(g_ptr + offs, d_a1.to(g_ptr.dtype.element_ty), mask=mask)
-    tl.store(d_a3_ptr + offs, d_a3.to(d_a3_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_a1_ptr + out, d_a1.to(d_a1_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_a3_ptr + out, d_a3.to(d_a3_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_backward_(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor,
-                     d_a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place: ``g``, the gradient of h, becomes d a1, and ``d_a3`` receives d a3
-    (four contiguous tensors of one shape and dtype); returns (d a1, d a3), that is
-    ``(g, d_a3)``."""
-    buffers = {"g": g, "a1": a1, "a3": a3, "d_a3": d_a3}
-    bad = [name for name, t in buffers.items()
-           if t.shape != g.shape or t.dtype != g.dtype or not t.is_contiguous()]
-    if bad:
-        raise ValueError("swiglu_backward_: g, a1, a3 and d_a3 must be contiguous tensors of one shape and dtype; got "
-                         + ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in buffers.items()))
+def swiglu_backward(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor, d_a1: torch.Tensor,
+                    d_a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d a1, d a3) written into ``d_a1`` and ``d_a3`` and returned, from the gradient
+    ``g`` of h and the pre-activations: ``g``, ``a1``, ``a3`` contiguous (R, H) of one
+    dtype; ``d_a1``, ``d_a3`` (R, H) in it with unit column stride and one row stride
+    (contiguous, or the two halves of a stacked (R, 2H) buffer). ``d_a1`` may be ``g``
+    itself (in place)."""
+    inputs = {"g": g, "a1": a1, "a3": a3}
+    outputs = {"d_a1": d_a1, "d_a3": d_a3}
+    if any(t.shape != g.shape or t.dtype != g.dtype or not t.is_contiguous() for t in inputs.values()) or g.dim() != 2:
+        raise ValueError("swiglu_backward: g, a1 and a3 must be contiguous (R, H) tensors of one dtype; got "
+                         + ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in inputs.items()))
+    if any(t.shape != g.shape or t.dtype != g.dtype or t.stride(1) != 1 for t in outputs.values()) or \
+            d_a1.stride(0) != d_a3.stride(0):
+        raise ValueError(f"swiglu_backward: d_a1 and d_a3 must be {tuple(g.shape)} in {g.dtype} with unit column "
+                         "stride and one row stride; got "
+                         + ", ".join(f"{name} {tuple(t.shape)} {t.dtype} strides {t.stride()}"
+                                     for name, t in outputs.items()))
     n = g.numel()
     if n:
-        launcher(_swiglu_backward_kernel)[(cdiv(n, _BLOCK),)](g, d_a3, a1, a3, n, BLOCK=_BLOCK, num_warps=8)
-    return g, d_a3
+        R, H = g.shape
+        strided = R > 1 and d_a1.stride(0) != H
+        block_h = min(_BLOCK, 128, triton.next_power_of_2(H))
+        grid = (cdiv(R, _BLOCK // block_h), cdiv(H, block_h)) if strided else (cdiv(n, _BLOCK),)
+        launcher(_swiglu_backward_kernel)[grid](g, a1, a3, d_a1, d_a3, n, R, H, d_a1.stride(0), STRIDED_OUT=strided,
+                                                BLOCK=_BLOCK, BLOCK_H=block_h, num_warps=8)
+    return d_a1, d_a3
 
 
 def swiglu_backward_reference(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
