@@ -24,7 +24,8 @@ def _ffn(dim=24, hidden=40, seed=0):
 
 def _fused(x, ffn, routed_of):
     """The layer's order: the hidden part, ``routed_of`` on the x handed on, the output part."""
-    h_pad, x_on = shared_hidden(x, ffn)
+    h_pad, logits, x_on = shared_hidden(x, ffn)
+    assert logits is None
     return add_shared_output(h_pad, ffn, routed_of(x_on))
 
 
@@ -63,6 +64,50 @@ def test_values_and_gradients_of_the_module(tokens):
     for g, m, r in zip(got, module, ref):
         err, module_err = (g.double() - r).abs().max(), (m.double() - r).abs().max()
         assert err <= max(4 * module_err, 1e-6 * r.abs().max()), (err, module_err)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [DEFAULT_ROWS_PER_BLOCK, 37])
+def test_the_routers_logits_and_their_gradients(tokens, bias):
+    """With a gate: its logits have the bits of the router's own blocked GEMM, and a
+    loss through them (here a weighted sum) gives x, the gate (and its bias) the
+    gradients of the module's (float64 reference, the module in float32 as the yardstick)."""
+    from uniep.batch_invariant import blocked_linear
+
+    ffn = _ffn()
+    torch.manual_seed(1)
+    gate = torch.nn.Linear(24, 6, bias=bias)
+    x, grad, grad_logits = torch.randn(tokens, 24), torch.randn(tokens, 24), torch.randn(tokens, 6)
+    params = [gate.weight] + ([gate.bias] if bias else []) + [ffn.w1.weight, ffn.w2.weight, ffn.w3.weight]
+
+    def run(fused, dtype):
+        for p in params:
+            p.grad = None
+        xi = x.to(dtype).clone().requires_grad_(True)
+        if fused:
+            h_pad, logits, x_on = shared_hidden(xi, ffn, gate)
+            out = add_shared_output(h_pad, ffn, _routed_of(x_on))
+        else:
+            logits, out = gate(xi), _module(xi, ffn, _routed_of)
+        (out * grad.to(dtype)).sum().add((logits * grad_logits.to(dtype)).sum()).backward()
+        return [logits.detach(), out.detach(), xi.grad] + [p.grad.clone() for p in params]
+
+    got, module = run(True, torch.float32), run(False, torch.float32)
+    with torch.no_grad():
+        assert torch.equal(got[0], blocked_linear(x, gate.weight, gate.bias, DEFAULT_ROWS_PER_BLOCK))
+    for m in (ffn, gate):
+        m.double()
+    ref = run(False, torch.float64)
+    for m in (ffn, gate):
+        m.float()
+    for g, m, r in zip(got, module, ref):
+        err, module_err = (g.double() - r).abs().max(), (m.double() - r).abs().max()
+        assert err <= max(4 * module_err, 1e-6 * r.abs().max()), (err, module_err)
+    # negative control: the logits' gradient left out of the input gradient is far off
+    x_alone = x.clone().requires_grad_(True)
+    h_pad, logits, x_on = shared_hidden(x_alone, ffn, gate)
+    (add_shared_output(h_pad, ffn, _routed_of(x_on)) * grad).sum().backward()
+    assert not torch.allclose(x_alone.grad, got[2], rtol=1e-3, atol=1e-4)
 
 
 def test_the_sums_take_the_routed_parts():
@@ -109,7 +154,7 @@ def test_a_frozen_input_gets_no_gradient_and_the_weights_theirs():
     no input gradient), and the weights' gradients are the module's."""
     ffn = _ffn()
     x, grad = torch.randn(30, 24), torch.randn(30, 24)
-    h_pad, x_on = shared_hidden(x, ffn)
+    h_pad, _, x_on = shared_hidden(x, ffn)
     assert not x_on.requires_grad and h_pad.requires_grad
     add_shared_output(h_pad, ffn, _routed_of(x_on)).backward(grad)
     got = [getattr(ffn, name).weight.grad for name in ("w1", "w2", "w3")]
@@ -122,7 +167,9 @@ def test_bad_input_is_refused():
     ffn = _ffn()
     with pytest.raises(ValueError, match="x and the weights must share a dtype; got x torch.float64"):
         shared_hidden(torch.randn(4, 24, dtype=torch.float64), ffn)
-    h_pad, _ = shared_hidden(torch.randn(4, 24), ffn)
+    with pytest.raises(ValueError, match="share a dtype; got x torch.float32, w1 torch.float32, .*gate torch.float64"):
+        shared_hidden(torch.randn(4, 24), ffn, torch.nn.Linear(24, 4, dtype=torch.float64))
+    h_pad, _, _ = shared_hidden(torch.randn(4, 24), ffn)
     with pytest.raises(ValueError, match=r"the routed output must be \(tokens, 24\) in torch.float32; got \(4, 25\)"):
         add_shared_output(h_pad, ffn, torch.randn(4, 25))
 
@@ -156,16 +203,21 @@ class _TokenAdds(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("fused, adds", [(True, 1), (False, 3)])
-def test_the_layer_adds_only_the_router_and_routed_input_gradients(fused, adds):
-    """Fused: the output and the shared input gradient are summed inside the GEMMs, so
-    one (T, D) add is left (autograd's, of the router's and routed experts' input
-    gradients). Control: the module and an add, 3 (the output; the input gradient's
-    three parts). Both give the module's values."""
-    layer = _layer()
+@pytest.mark.parametrize("fused, groups, adds", [(True, None, 0), (True, 2, 1), (False, None, 3)])
+def test_the_layer_sums_its_three_parts_in_the_gemms(fused, groups, adds):
+    """Fused: the output and the input gradient are summed inside the GEMMs, no (T, D)
+    add is left; with node-limited groups (a router that is not fused, so it computes
+    its own logits) one: autograd's, of the router's and routed experts' input
+    gradients. Control: the module and an add, 3 (the output; the input gradient's three
+    parts). All give the module's values."""
+    torch.manual_seed(0)
+    layer = UniEPMoE(24, 16, 4, 2, num_shared_experts=2, num_expert_groups=groups, num_limited_groups=groups,
+                     config=UniEPConfig(backend="triton"))
+    layer.init_weights(0.05)
+    assert layer.router.fused == (groups is None)
     x, grad = torch.randn(2, 9, 24), torch.randn(2, 9, 24)
     reference = _layer_fwd_bwd(layer, x, grad) if fused else None
-    layer._shared = FusedSharedExperts(ONE_STREAM) if fused else MODULE_SHARED_EXPERTS
+    layer._shared = FusedSharedExperts(ONE_STREAM, router_logits=True) if fused else MODULE_SHARED_EXPERTS
     counter = _TokenAdds((18, 24))
     with counter:
         got = _layer_fwd_bwd(layer, x, grad)
@@ -199,7 +251,7 @@ def test_the_layer_fuses_its_shared_experts_where_its_experts_run_on_triton(monk
 
     calls = []
     real = shared_experts.shared_hidden
-    monkeypatch.setattr(shared_experts, "shared_hidden", lambda x, ffn: calls.append(x.shape) or real(x, ffn))
+    monkeypatch.setattr(shared_experts, "shared_hidden", lambda x, *a: calls.append(x.shape) or real(x, *a))
     layer = _layer(backend)
     assert isinstance(layer._shared, FusedSharedExperts) == fused
     x = torch.randn(2, 9, 24)

@@ -1,9 +1,10 @@
 """The shared experts on a side stream (``uniep.streams``, a CUDA branch): here with a
 stand-in stream API that logs what the layer asks of it, in the Triton interpreter.
 The layer must fork the side stream after the current stream's work, run the shared
-experts inside it, record the memory that crosses streams, run the routed experts
-meanwhile, and wait for the side stream before the sum; the bits stay those of one
-stream."""
+experts' first half inside it, record the memory that crosses streams, run the
+router and routed experts meanwhile (computing the router's logits itself), and wait
+for the side stream before the sum; the bits stay those of one stream where the router
+computes its logits too."""
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def _logged_call(monkeypatch, layer, streams_class, x, grad):
 
     log = []
     streams = _Streams(log)
-    layer._shared = FusedSharedExperts(streams_class(streams))
+    layer._shared = FusedSharedExperts(streams_class(streams), router_logits=False)
     shared, routed = shared_experts.shared_hidden, layer.experts.forward
     monkeypatch.setattr(shared_experts, "shared_hidden", lambda *a: log.append("shared experts") or shared(*a))
     monkeypatch.setattr(layer.experts, "forward", lambda *a: log.append("routed experts") or routed(*a))
@@ -97,7 +98,7 @@ def _fwd_bwd(layer, xi, grad):
 def test_the_layer_overlaps_its_shared_experts_on_a_side_stream(monkeypatch, streams_class, right):
     layer = _layer()
     x, grad = torch.randn(2, 9, 24), torch.randn(2, 9, 24)
-    layer._shared = FusedSharedExperts(ONE_STREAM)
+    layer._shared = FusedSharedExperts(ONE_STREAM, router_logits=False)  # as on the side stream
     one_stream = _fwd_bwd(layer, x.clone().requires_grad_(True), grad)
 
     log, side = _logged_call(monkeypatch, layer, streams_class, x, grad)
@@ -116,5 +117,7 @@ def test_the_side_stream_is_chosen_on_cuda_only(monkeypatch):
         streams = getattr(layer._shared, "streams", ONE_STREAM)
         assert streams is chosen, (backend, device)
         assert (layer._shared is MODULE_SHARED_EXPERTS) == (backend == "torch"), backend
+        assert getattr(layer._shared, "router_logits", False) == (backend == "triton" and device == "cpu")
         layer.config = UniEPConfig(backend=backend)
         assert getattr(layer._shared, "streams", ONE_STREAM) is ONE_STREAM
+        assert getattr(layer._shared, "router_logits", False) == (backend == "triton")

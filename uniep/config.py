@@ -134,9 +134,11 @@ class UniEPConfig:
     beside the router and routed experts, where the experts run on Triton (not under
     torch.compile): its GEMMs overlap the routed path's memory-bound launches
     (``uniep.streams``). Its backward sums onto their input gradient, so it follows
-    them. On one H200 the layer ran no faster, measured when the whole shared forward
-    and backward ran on that stream (the kernels side by side slowed each other as much
-    as they overlapped; benchmarks/RESULTS.md). Does not change bits."""
+    them. The router then computes its own logits (on one stream the shared experts'
+    launches do, ``uniep.shared_experts``), which changes the bits of the input gradient
+    and of the gate's weight gradient. On one H200 the layer ran no faster, measured
+    when the whole shared forward and backward ran on that stream (the kernels side by
+    side slowed each other as much as they overlapped; benchmarks/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

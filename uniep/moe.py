@@ -135,8 +135,8 @@ class UniEPMoE(nn.Module):
         self._on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
         self.router.fused = self._on_triton
         side = config.shared_experts_stream and self._on_triton and key[-1] == "cuda"
-        self._shared = (FusedSharedExperts(CUDA_SIDE_STREAM if side else ONE_STREAM) if self._on_triton
-                        else MODULE_SHARED_EXPERTS)
+        self._shared = (FusedSharedExperts(CUDA_SIDE_STREAM if side else ONE_STREAM, router_logits=not side)
+                        if self._on_triton else MODULE_SHARED_EXPERTS)
 
     def _device_type(self) -> str:
         """Where the routed experts will run: their weights' device; for weights not
@@ -268,11 +268,14 @@ class UniEPMoE(nn.Module):
         # The shared experts first: their GEMMs keep the device busy while the host
         # issues the router's and the routing plan's many small ops (and, on a side
         # stream, while the device runs them). The fused ones hand x on, to collect
-        # the router's and routed experts' input gradients (``uniep.shared_experts``).
+        # the routed experts' input gradient, and compute the router's logits
+        # (``uniep.shared_experts``).
         shared = self._shared_experts_now()
+        logits_TE = None
         if shared is not None:
-            x_TD, pending = shared.start(self.shared_experts, x_TD)
-        top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx)
+            gate = self.router.gate if self.router.fused else None
+            x_TD, pending, logits_TE = shared.start(self.shared_experts, x_TD, gate)
+        top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx, logits_TE)
         counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)

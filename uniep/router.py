@@ -14,7 +14,7 @@ from torch import nn
 from uniep.batch_invariant import in_fixed_row_blocks
 from uniep.init import trunc_normal_
 from uniep.kernels.router_select import select_experts_reference
-from uniep.router_op import router_choice
+from uniep.router_op import choice_of_logits, router_choice
 
 
 class TopKRouter(nn.Module):
@@ -99,16 +99,25 @@ class TopKRouter(nn.Module):
         x_TD: torch.Tensor,
         expert_bias_E: torch.Tensor | None = None,
         topk_idx_TK: torch.Tensor | None = None,
+        logits_TE: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(top_scores_TK fp32, topk_idx_TK int64)``. A given ``topk_idx_TK``
         replaces the selection (replaying another layer's routing, e.g. in an fp32
-        reference); the scores are still computed from ``x``."""
+        reference); the scores are still computed from ``x``. ``logits_TE``, fused only:
+        the gate's logits of ``x``, computed and differentiated elsewhere (the layer's
+        shared experts, ``uniep.shared_experts``)."""
+        if logits_TE is not None and not self._fused:
+            raise ValueError("TopKRouter: logits_TE is taken by the fused router only")
         if topk_idx_TK is None and self.force_load_balance:
             n = x_TD.shape[0]
             topk_idx_TK = (
                 torch.arange(n * self.top_k, device=x_TD.device).view(n, self.top_k) % self.num_experts
             )
         # Batch-invariant: a token's scores must not depend on the rows beside it (EP).
+        if logits_TE is not None:
+            return choice_of_logits(logits_TE, self.top_k, sigmoid=self.score_func == "sigmoid",
+                                    route_norm=self.route_norm, route_scale=self.route_scale,
+                                    expert_bias_E=expert_bias_E, topk_idx_TK=topk_idx_TK)
         if self._fused:
             return router_choice(x_TD, self.gate, self.top_k, sigmoid=self.score_func == "sigmoid",
                                  route_norm=self.route_norm, route_scale=self.route_scale,

@@ -7,6 +7,8 @@ Forward: the gate's logits on fixed row blocks, each written into one buffer
 (``batch_invariant.blocked_linear``), then scores, choice, route norm and scale in one
 launch (``kernels.router_select``). Backward: the logits' gradient in one launch, the
 input gradient on the same row blocks, the gate's weight gradient in one GEMM.
+``choice_of_logits`` is the choice alone, for a layer whose shared experts compute the
+logits with their own GEMMs, and its input and weight gradients with theirs.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token.
 """
@@ -100,6 +102,31 @@ def _op_backward(ctx, grad_top_TK, _grad_idx, _grad_logits):
 
 
 _router_choice.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _ChoiceOfLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TE, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale):
+        top_TK, idx_TK = router_select_forward(logits_TE, top_k, sigmoid=sigmoid, route_norm=route_norm,
+                                               route_scale=route_scale, expert_bias_E=expert_bias_E, topk_idx_TK=given_TK)
+        ctx.save_for_backward(logits_TE, idx_TK)
+        ctx.settings = dict(sigmoid=sigmoid, route_norm=route_norm, route_scale=route_scale)
+        ctx.mark_non_differentiable(idx_TK)
+        return top_TK, idx_TK
+
+    @staticmethod
+    def backward(ctx, grad_top_TK, _grad_idx):
+        logits_TE, idx_TK = ctx.saved_tensors
+        return router_select_backward(logits_TE, idx_TK, grad_top_TK, **ctx.settings), None, None, None, None, None, None
+
+
+def choice_of_logits(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, route_norm: bool, route_scale: float,
+                     expert_bias_E: torch.Tensor | None = None,
+                     topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_choice` from logits that another launch computed with the gate's
+    GEMM on the same row blocks (the shared experts' first half,
+    ``uniep.shared_experts``), differentiable in them; eagerly only."""
+    return _ChoiceOfLogits.apply(logits_TE, expert_bias_E, topk_idx_TK, top_k, sigmoid, route_norm, float(route_scale))
 
 
 def router_choice(x_TD: torch.Tensor, gate: nn.Linear, top_k: int, *, sigmoid: bool, route_norm: bool,

@@ -10,20 +10,24 @@ together); ``_pad``: rows padded up to a multiple of the row block.
 A layer with shared experts calls them twice, around its router and routed experts:
 
 - ``shared_hidden`` first (its GEMMs keep the device busy while the host issues the
-  router's small ops): h = silu(a1) * a3 with a1 = x w1^T, a3 = x w3^T. It hands x on,
-  and the router and the routed experts take that x: the gradients they send back
-  through it (autograd sums those two) arrive in its backward, which adds
-  ``[d_a1 | d_a3] [w1; w3]`` onto them in place, in the GEMM's epilogue. The SwiGLU
-  backward writes d a1 and d a3 side by side, so that sum is one GEMM over 2H per row
-  block (on the weights stacked for it) and the w1 and w3 gradients one (2H, D) GEMM,
-  whose two halves they are.
+  router's small ops): h = silu(a1) * a3 with a1 = x w1^T, a3 = x w3^T, and, given the
+  fused router's gate, its logits l = x g^T (the router's own blocked GEMM, so its
+  bits), which the router then only turns into its choice (``router_op.choice_of_logits``).
+  It hands x on, and the routed experts take that x: the gradient they send back
+  through it arrives in its backward, which adds ``[d_a1 | d_a3 | d_l] [w1; w3; g]`` onto
+  it in place, in the GEMM's epilogue. The SwiGLU backward writes d a1 and d a3 side by
+  side, beside the logits' gradient, so that sum is one GEMM over 2H + E per row block
+  (on the weights stacked for it) and the w1, w3 and gate gradients one (2H + E, D)
+  GEMM, whose parts they are.
 - ``add_shared_output`` last: ``routed += h w2^T`` in place, the routed output added in
   the GEMMs' epilogue (rounded once). Its backward hands the output gradient on to the
   routed experts as it is.
 
-So the layer's output takes no separate add and its input gradient one (of the router's
-and the routed experts' parts) instead of two; each add moved three (T, D) tensors
-through memory (``benchmarks/RESULTS.md`` has their time).
+So the layer's output and its input gradient take no separate add (there were three,
+each moving three (T, D) tensors through memory; ``benchmarks/RESULTS.md`` has their
+time), and the router's input and weight gradients no GEMMs of their own. Without the
+gate (a router that is not fused; the side stream, where the router cannot wait for
+these GEMMs) the router sends its input gradient through x too, and autograd adds it.
 
 The row-wise GEMMs (each row's a1, a3 and output, and in the backward each row's input
 gradient) run on fixed blocks of rows, the last zero-padded (``uniep.batch_invariant``),
@@ -63,40 +67,53 @@ def _add_products_(acc_TD: torch.Tensor, products: tuple[tuple[torch.Tensor, tor
 
 class _SharedHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w1_HD, w3_HD, block: int):
+    def forward(ctx, x_TD, w1_HD, w3_HD, gate_ED, gate_bias_E, block: int):
+        T = x_TD.shape[0]
         x_pad = padded_to_blocks(x_TD.contiguous(), block)
-        a = x_pad.new_empty(2, x_pad.shape[0], w1_HD.shape[0])  # a1, a3
+        rows = x_pad.shape[0]
+        a = x_pad.new_empty(2, rows, w1_HD.shape[0])  # a1, a3
         blocked_mm(x_pad, w1_HD.t(), a[0], block)
         blocked_mm(x_pad, w3_HD.t(), a[1], block)
         h_pad = swiglu_forward(a[0], a[1])
-        ctx.save_for_backward(x_pad, a, w1_HD, w3_HD)
-        ctx.tokens, ctx.block = x_TD.shape[0], block
-        ctx.set_materialize_grads(False)
+        # the router's logits: its own blocked GEMM (batch_invariant.blocked_linear's bits)
+        E = 0 if gate_ED is None else gate_ED.shape[0]
+        logits_pad = x_pad.new_empty(rows, E)
+        if gate_ED is not None:
+            blocked_mm(x_pad, gate_ED.t(), logits_pad, block, gate_bias_E)
+        logits_TE = logits_pad[:T]
+        if gate_ED is None:
+            ctx.mark_non_differentiable(logits_TE)
         if not ctx.needs_input_grad[0]:
             ctx.mark_non_differentiable(x_TD)
-        return h_pad, x_TD
+        ctx.save_for_backward(x_pad, a, w1_HD, w3_HD, gate_ED)
+        ctx.tokens, ctx.block, ctx.has_gate_bias = T, block, gate_bias_E is not None
+        return h_pad, logits_TE, x_TD
 
     @staticmethod
-    def backward(ctx, grad_h_pad, grad_x_TD):
-        x_pad, a, w1_HD, w3_HD = ctx.saved_tensors
+    def backward(ctx, grad_h_pad, grad_logits_TE, grad_x_TD):
+        x_pad, a, w1_HD, w3_HD, gate_ED = ctx.saved_tensors
         T, block = ctx.tokens, ctx.block
-        grad_x = None
-        if ctx.needs_input_grad[0]:  # the router's and routed experts' part (none: zeros)
-            grad_x = x_pad.new_zeros(T, x_pad.shape[1]) if grad_x_TD is None else grad_x_TD.contiguous()
-        if grad_h_pad is None:
-            return grad_x, None, None, None
-        H = a.shape[2]
-        d_a = grad_h_pad.new_empty(a.shape[1], 2 * H)  # [d a1 | d a3]: one operand over 2H
-        swiglu_backward(grad_h_pad.contiguous(), a[0], a[1], d_a[:, :H], d_a[:, H:])
+        rows, H = a.shape[1], a.shape[2]
+        E = 0 if gate_ED is None else gate_ED.shape[0]
+        # [d a1 | d a3 | d logits], the padded rows' zero: one operand over 2H + E
+        d_a = grad_h_pad.new_empty(rows, 2 * H + E)
+        swiglu_backward(grad_h_pad.contiguous(), a[0], a[1], d_a[:, :H], d_a[:, H:2 * H])
         del grad_h_pad
-        if grad_x is not None:
-            _add_products_(grad_x, ((d_a, torch.cat([w1_HD, w3_HD])),), block)
-        grad_w1 = grad_w3 = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            grad_w13 = d_a[:T].t().mm(x_pad[:T])  # (2H, D): w1's rows, then w3's
-            grad_w1 = grad_w13[:H] if ctx.needs_input_grad[1] else None
-            grad_w3 = grad_w13[H:] if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w1, grad_w3, None
+        if E:
+            d_a[:T, 2 * H:] = grad_logits_TE
+            d_a[T:, 2 * H:] = 0
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # onto what the router's choice and the routed experts sent through x
+            stacked = torch.cat([w1_HD, w3_HD] + ([gate_ED] if E else []))
+            grad_x = _add_products_(grad_x_TD.contiguous(), ((d_a, stacked),), block)
+        grads_w = [None, None, None]
+        needs_w = ctx.needs_input_grad[1:4]
+        if any(needs_w):
+            grad_all = d_a[:T].t().mm(x_pad[:T])  # (2H + E, D): w1's rows, w3's, the gate's
+            parts = (grad_all[:H], grad_all[H:2 * H], grad_all[2 * H:])
+            grads_w = [part if needs else None for part, needs in zip(parts, needs_w)]
+        grad_bias = grad_logits_TE.sum(0) if ctx.has_gate_bias and ctx.needs_input_grad[4] else None
+        return grad_x, *grads_w, grad_bias, None
 
 
 class _SharedOutput(torch.autograd.Function):
@@ -120,16 +137,22 @@ class _SharedOutput(torch.autograd.Function):
         return grad_h_pad, grad_w2, grad_TD, None
 
 
-def shared_hidden(x_TD: torch.Tensor, ffn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h_pad, x_TD handed on)`` of the shared-experts module ``ffn`` (``w1``, ``w2``,
-    ``w3`` linear layers without bias, as TorchTitan's ``FeedForward``): the caller
-    passes h_pad to :func:`add_shared_output` and the x returned here, not its own, to
-    the rest of the layer (see the module docstring)."""
-    w1, w2, w3 = ffn.w1.weight, ffn.w2.weight, ffn.w3.weight
-    if not (w1.dtype == w2.dtype == w3.dtype == x_TD.dtype):
+def shared_hidden(x_TD: torch.Tensor, ffn: torch.nn.Module,
+                  gate: torch.nn.Linear | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(h_pad, logits_TE or None, x_TD handed on)`` of the shared-experts module ``ffn``
+    (``w1``, ``w2``, ``w3`` linear layers without bias, as TorchTitan's ``FeedForward``)
+    and, with ``gate``, the router's logits (for ``TopKRouter(..., logits_TE=)``): the
+    caller passes h_pad to :func:`add_shared_output` and the x returned here, not its
+    own, to the rest of the layer (see the module docstring)."""
+    weights = {"w1": ffn.w1.weight, "w2": ffn.w2.weight, "w3": ffn.w3.weight}
+    if gate is not None:
+        weights["gate"] = gate.weight
+    if any(w.dtype != x_TD.dtype for w in weights.values()):
         raise ValueError(f"shared_hidden: x and the weights must share a dtype; got x {x_TD.dtype}, "
-                         f"w1 {w1.dtype}, w2 {w2.dtype}, w3 {w3.dtype}")
-    return _SharedHidden.apply(x_TD, w1, w3, rows_per_block(x_TD.device))
+                         + ", ".join(f"{name} {w.dtype}" for name, w in weights.items()))
+    h_pad, logits_TE, x_TD = _SharedHidden.apply(x_TD, weights["w1"], weights["w3"], weights.get("gate"),
+                                                 None if gate is None else gate.bias, rows_per_block(x_TD.device))
+    return h_pad, (logits_TE if gate is not None else None), x_TD
 
 
 def add_shared_output(h_pad: torch.Tensor, ffn: torch.nn.Module, routed_TD: torch.Tensor) -> torch.Tensor:
@@ -144,11 +167,13 @@ def add_shared_output(h_pad: torch.Tensor, ffn: torch.nn.Module, routed_TD: torc
 class ModuleSharedExperts:
     """The module on fixed row blocks, its output added to the routed output (the
     PyTorch backend; and under torch.compile, whose Inductor fuses the module's ops and
-    the add). ``start(ffn, x) -> (x for the rest of the layer, pending)``, then
-    ``finish(ffn, pending, routed) -> out``, as :class:`FusedSharedExperts`."""
+    the add). ``start(ffn, x, gate) -> (x for the rest of the layer, pending, the
+    router's logits or None)``, then ``finish(ffn, pending, routed) -> out``, as
+    :class:`FusedSharedExperts`."""
 
-    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x_TD, in_fixed_row_blocks(ffn, x_TD)
+    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor,
+              gate: torch.nn.Linear | None) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return x_TD, in_fixed_row_blocks(ffn, x_TD), None
 
     def finish(self, ffn: torch.nn.Module, shared_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
         return shared_TD + routed_TD
@@ -156,14 +181,17 @@ class ModuleSharedExperts:
 
 class FusedSharedExperts:
     """:func:`shared_hidden` on ``streams`` (``uniep.streams``: the current stream, or a
-    side stream that the sum waits for), then :func:`add_shared_output`."""
+    side stream that the sum waits for), then :func:`add_shared_output`. With
+    ``router_logits`` they compute the router's logits too, where ``start`` is given a
+    gate (the fused router's); not on a side stream, whose work the router would wait for."""
 
-    def __init__(self, streams):
-        self.streams = streams
+    def __init__(self, streams, router_logits: bool):
+        self.streams, self.router_logits = streams, router_logits
 
-    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h_pad, x_TD = self.streams.start(shared_hidden, x_TD, ffn)
-        return x_TD, h_pad
+    def start(self, ffn: torch.nn.Module, x_TD: torch.Tensor,
+              gate: torch.nn.Linear | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        h_pad, logits_TE, x_TD = self.streams.start(shared_hidden, x_TD, ffn, gate if self.router_logits else None)
+        return x_TD, h_pad, logits_TE
 
     def finish(self, ffn: torch.nn.Module, h_pad: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
         return add_shared_output(self.streams.wait(h_pad), ffn, routed_TD)

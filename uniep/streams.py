@@ -6,7 +6,8 @@ path's launches that leave the tensor cores idle (router, row copy, SwiGLU, comb
 the sums) and the gaps between launches. Autograd runs each backward on the stream its
 forward ran on; that half's backward sums onto the input gradient of the router and the
 routed experts, so it follows them. Every launch computes what it computes on one
-stream: the bits do not change.
+stream (there, though, the shared experts' launches also compute the router's logits,
+``UniEPConfig.shared_experts_stream`` says what that changes).
 
 Both strategies have one interface, ``start(fn, x, *args)`` then ``wait(out)``.
 """

@@ -60,13 +60,15 @@ def test_router_scores_do_not_depend_on_the_batch_on_gpu(score_func):
     grad = torch.randn_like(x)
     assert layer._on_triton  # the shared experts' fused launches (uniep.shared_experts)
 
-    def fused_shared(t):  # with a routed part (doubling: exact) and its input gradient
-        h_pad, t_on = shared_hidden(t, layer.shared_experts)
-        return add_shared_output(h_pad, layer.shared_experts, t_on * 2.0)
+    def fused_shared(t, with_logits=False):  # with a routed part (doubling: exact), and the router's logits
+        h_pad, logits, t_on = shared_hidden(t, layer.shared_experts, layer.router.gate)
+        out = add_shared_output(h_pad, layer.shared_experts, t_on * 2.0)
+        return (out, logits) if with_logits else out
 
     def shared_input_grad(t, g):
         t = t.clone().requires_grad_(True)
-        fused_shared(t).backward(g)
+        out, logits = fused_shared(t, with_logits=True)
+        torch.autograd.backward([out, logits], [g, g[:, :logits.shape[1]]])
         return t.grad
 
     sizes = (7, 1000, block, block + 1)
@@ -117,7 +119,6 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(wgrad_warp_specialize=True, wgrad_num_warps=4),
         dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
         dict(gemm_warp_specialize=True, gemm_num_warps=4),
-        dict(shared_experts_stream=not UniEPConfig().shared_experts_stream),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

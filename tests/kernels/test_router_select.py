@@ -172,3 +172,33 @@ def test_a_gate_with_bias_gets_its_gradient():
         bias_grads.append(router.gate.bias.grad.clone())
     assert mismatches(router, x, None, grad) == []
     torch.testing.assert_close(bias_grads[0], bias_grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_the_choice_of_given_logits_is_the_fused_routers(replayed):
+    """Logits computed elsewhere on the same row blocks (the shared experts' launches):
+    the fused router's scores, choice and bits, and the logits' gradient, which the gate's
+    GEMM turns into the router's input gradient. Only the fused router takes them."""
+    from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, blocked_linear
+
+    router = _router("sigmoid", True, 2.5, 16, 4, dtype=torch.float32)
+    router.fused = True
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(21, 32, generator=gen)
+    bias = torch.randn(16, generator=gen) * 0.1
+    grad = torch.randn(21, 4, generator=gen)
+    given = torch.randint(0, 16, (21, 1), generator=gen).add(torch.arange(4)).remainder(16) if replayed else None
+    xi = x.clone().requires_grad_(True)
+    top, idx = router(xi, bias, given)
+    top.backward(grad)
+    with torch.no_grad():
+        logits = blocked_linear(x, router.gate.weight, router.gate.bias, DEFAULT_ROWS_PER_BLOCK)
+    logits.requires_grad_(True)
+    top_of_logits, idx_of_logits = router(x, bias, given, logits_TE=logits)
+    top_of_logits.backward(grad)
+    assert torch.equal(top_of_logits, top) and torch.equal(idx_of_logits, idx)
+    torch.testing.assert_close(logits.grad @ router.gate.weight.detach(), xi.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(logits.grad.flip(0) @ router.gate.weight.detach(), xi.grad)  # control
+    router.fused = False
+    with pytest.raises(ValueError, match="logits_TE is taken by the fused router only"):
+        router(x, bias, given, logits_TE=logits)
