@@ -131,16 +131,22 @@ def test_the_router_fuses_only_without_node_limited_groups():
     assert router.fused
 
 
+def _fused_router_inputs(seed):
+    """A fused float32 router (sigmoid, route norm, scale 2.5; 16 experts, top 4), 21
+    tokens, an expert bias, the top scores' gradient, and the generator that drew them."""
+    router = _router("sigmoid", True, 2.5, 16, 4, dtype=torch.float32)
+    router.fused = True
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(21, 32, generator=gen)
+    bias = torch.randn(16, generator=gen) * 0.1
+    return router, x, bias, torch.randn(21, 4, generator=gen), gen
+
+
 def test_compiled_router_keeps_the_eager_bits():
     """Under torch.compile (fullgraph) the fused router runs as the custom ops
     ``uniep::router_choice`` / ``_bwd``: the same launches, so the eager bits, for a
     chosen and for a replayed routing."""
-    router = _router("sigmoid", True, 2.5, 16, 4, dtype=torch.float32)
-    router.fused = True
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(21, 32, generator=gen)
-    bias = torch.randn(16, generator=gen) * 0.1
-    grad = torch.randn(21, 4, generator=gen)
+    router, x, bias, grad, _ = _fused_router_inputs(4)
     compiled = torch.compile(router, fullgraph=True, backend="aot_eager")
 
     def run(fn, given=None):
@@ -181,12 +187,7 @@ def test_the_choice_of_given_logits_is_the_fused_routers(replayed):
     GEMM turns into the router's input gradient. Only the fused router takes them."""
     from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, blocked_linear
 
-    router = _router("sigmoid", True, 2.5, 16, 4, dtype=torch.float32)
-    router.fused = True
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(21, 32, generator=gen)
-    bias = torch.randn(16, generator=gen) * 0.1
-    grad = torch.randn(21, 4, generator=gen)
+    router, x, bias, grad, gen = _fused_router_inputs(6)
     given = torch.randint(0, 16, (21, 1), generator=gen).add(torch.arange(4)).remainder(16) if replayed else None
     xi = x.clone().requires_grad_(True)
     top, idx = router(xi, bias, given)
