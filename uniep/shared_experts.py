@@ -49,17 +49,14 @@ from uniep.batch_invariant import blocked_mm, in_fixed_row_blocks, padded_to_blo
 from uniep.kernels.swiglu import swiglu_backward, swiglu_forward
 
 
-def _add_products_(acc_TD: torch.Tensor, products: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-                   block: int) -> torch.Tensor:
-    """``acc_TD += sum of a_pad @ b`` over ``products`` in place, in their order, one
-    block of ``block`` rows at a time (the a_pad's rows: ``acc_TD``'s, padded to a
-    multiple of ``block``)."""
+def _add_product_(acc_TD: torch.Tensor, a_pad: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+    """``acc_TD += a_pad @ b`` in place, one block of ``block`` rows at a time (``a_pad``'s
+    rows: ``acc_TD``'s, padded to a multiple of ``block``)."""
     T = acc_TD.shape[0]
-    for rows in row_blocks(products[0][0].shape[0], block):
+    for rows in row_blocks(a_pad.shape[0], block):
         partial = rows.stop > T
         target = F.pad(acc_TD[rows.start:], (0, 0, 0, rows.stop - T)) if partial else acc_TD[rows]
-        for a_pad, b in products:
-            target.addmm_(a_pad[rows], b)
+        target.addmm_(a_pad[rows], b)
         if partial:
             acc_TD[rows.start:] = target[:T - rows.start]
     return acc_TD
@@ -105,7 +102,7 @@ class _SharedHidden(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # onto what the router's choice and the routed experts sent through x
             stacked = torch.cat([w1_HD, w3_HD] + ([gate_ED] if E else []))
-            grad_x = _add_products_(grad_x_TD.contiguous(), ((d_a, stacked),), block)
+            grad_x = _add_product_(grad_x_TD.contiguous(), d_a, stacked, block)
         grads_w = [None, None, None]
         needs_w = ctx.needs_input_grad[1:4]
         if any(needs_w):
@@ -119,7 +116,7 @@ class _SharedHidden(torch.autograd.Function):
 class _SharedOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_pad, w2_DH, routed_TD, block: int):
-        _add_products_(routed_TD, ((h_pad, w2_DH.t()),), block)
+        _add_product_(routed_TD, h_pad, w2_DH.t(), block)
         ctx.mark_dirty(routed_TD)
         ctx.save_for_backward(h_pad, w2_DH)
         ctx.block = block

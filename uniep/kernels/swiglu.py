@@ -16,9 +16,9 @@ give the same bits.
 
 The backward launch writes d a1 and d a3 where it is told: the routed experts pass the
 two halves of a (2, R, H) pair buffer, the first holding g (in place; the layout their
-w1/w3 weight gradient reads as one stacked operand), the shared experts the two column
-halves of an (R, 2H) buffer (the operand of one input-gradient and one weight-gradient
-GEMM over 2H).
+w1/w3 weight gradient reads as one stacked operand), the shared experts the first two
+column blocks of an (R, 2H + E) buffer (the operand of one input-gradient and one
+weight-gradient GEMM, the router's logits' gradient beside them).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def swiglu_backward(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor, d_a1: t
     """(d a1, d a3) written into ``d_a1`` and ``d_a3`` and returned, from the gradient
     ``g`` of h and the pre-activations: ``g``, ``a1``, ``a3`` contiguous (R, H) of one
     dtype; ``d_a1``, ``d_a3`` (R, H) in it with unit column stride and one row stride
-    (contiguous, or the two halves of a stacked (R, 2H) buffer). ``d_a1`` may be ``g``
-    itself (in place)."""
+    (contiguous, or column blocks of one wider buffer). ``d_a1`` may be ``g`` itself
+    (in place)."""
     inputs = {"g": g, "a1": a1, "a3": a3}
     outputs = {"d_a1": d_a1, "d_a3": d_a3}
     if any(t.shape != g.shape or t.dtype != g.dtype or not t.is_contiguous() for t in inputs.values()) or g.dim() != 2:
