@@ -124,11 +124,11 @@ VARIANTS = {
     "gemm_ws_s4": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_num_stages=4, gemm_up_block_n=64),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
-# knobs whose change keeps the bits (schedule only)
+# knobs whose change keeps the bits (schedule only); the warp-specialized loops are not
+# among them (on an H200 they gave other bits), so their variants are checked as close
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_warp_specialize",
-                  "gemm_warp_specialize"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run"}
 ROUTINGS = ("random", "balanced")
 
 

@@ -69,8 +69,9 @@ class UniEPConfig:
     producer warp group loads while two consumer warp groups compute
     (``kernels.grouped_gemm.GemmTiles.warp_specialize``; not the up input gradient,
     whose two loops Triton 3.6 cannot specialize). Needs ``gemm_num_warps`` = 4; gate/up
-    compiled for sm_90 spilled registers at ``gemm_up_block_n`` 128, not at 64. Not yet
-    measured on a GPU (off). Does not change bits."""
+    compiled for sm_90 spilled registers at ``gemm_up_block_n`` 128, not at 64. Changes
+    bits: on an H200 every specialized launch gave other bits than the default
+    (benchmarks/RESULTS.md); speed not measured (off)."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
@@ -102,8 +103,9 @@ class UniEPConfig:
     """Weight gradients in runs (``wgrad_expert_run`` not 0) warp-specialized by Triton:
     a producer warp group loads while two consumer warp groups compute
     (``kernels.grouped_gemm.GemmTiles.warp_specialize``). Needs ``wgrad_num_warps`` = 4;
-    with -1 runs, experts above 384 rows on average take runs of 1. Not yet measured on
-    a GPU (off). Does not change bits."""
+    with -1 runs, experts above 384 rows on average take runs of 1. Changes bits: on an
+    H200 both weight gradients gave other bits than the default (benchmarks/RESULTS.md);
+    speed not measured (off)."""
 
     megakernel_sends_per_task: int = 16
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""

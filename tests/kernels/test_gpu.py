@@ -116,9 +116,6 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(descriptor_stores=not UniEPConfig().descriptor_stores),
         dict(wgrad_expert_run=4),
         dict(wgrad_expert_run=0),
-        dict(wgrad_warp_specialize=True, wgrad_num_warps=4),
-        dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
-        dict(gemm_warp_specialize=True, gemm_num_warps=4),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

@@ -23,7 +23,8 @@ each output element is one dot product accumulated in fp32 over Kd in order, so 
 bits do not depend on ``NUM_PROGRAMS``. The tile schedule is read on the device (no
 host sync), from a ``row_tiles`` schedule built once per plan. Where the tiles ask
 (``GemmTiles.warp_specialize``) Triton warp-specializes the tile loop: the same dots in
-the same order.
+the same order in the source, yet on an H200 the compiled kernels gave other bits than
+the unspecialized ones (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class GemmTiles:
     program per SM). Needs ``num_warps`` 4. Taken by launches whose 16-bit operands all
     come through descriptors unscaled: row GEMMs in ``WARP_SPECIALIZED_MODES`` without
     half tiles or descriptor stores, weight gradients in runs (``expert_run`` not 0,
-    ``wgrad.warp_specialized``); the others run as without it. The bits are the same."""
+    ``wgrad.warp_specialized``); the others run as without it. On an H200 the
+    specialized kernels gave other bits than the unspecialized ones."""
 
     def __post_init__(self) -> None:
         if self.warp_specialize and self.num_warps != 4:
