@@ -40,6 +40,12 @@ def test_from_dict_sets_values():
         ({"gemm_warp_specialize": True}, r"uniep\.gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = 8"),
         ({"config": "auto", "wgrad_warp_specialize": True, "wgrad_num_warps": 4},
          r"need explicit tiles: the tuner \(config = 'auto'\) does not search them"),
+        # the megakernel runs unspecialized: with specialization its ranks would not give one GPU's bits
+        ({"transport": "megakernel", "gemm_warp_specialize": True, "gemm_num_warps": 4},
+         r"uniep\.gemm_warp_specialize and wgrad_warp_specialize cannot go with transport = 'megakernel'.*"
+         r"allowed: transport = 'all_to_all', or both false"),
+        ({"transport": "megakernel", "wgrad_warp_specialize": True, "wgrad_num_warps": 4},
+         r"cannot go with transport = 'megakernel'"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),
     ],

@@ -44,7 +44,8 @@ class UniEPConfig:
     all-to-all of rows in plan order (NCCL on GPU, gloo on CPU), experts on the chosen
     backend. ``megakernel``: dispatch, expert MLP and combine in two fused Triton
     launches over symmetric-memory peer buffers (CUDA GPUs); a group of several nodes
-    joins them with an inter-node all-to-all (hierarchical). Both give the same bits.
+    joins them with an inter-node all-to-all (hierarchical). Both give the same bits
+    (the warp-specialized loops, which the megakernel does not run, are refused with it).
     Ignored when the expert-parallel degree is 1."""
 
     gemm_block_m: int = 128
@@ -177,6 +178,11 @@ class UniEPConfig:
                 f"wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 (the runs' loop "
                 f"is the one specialized); got wgrad_num_warps = {self.wgrad_num_warps}, "
                 f"wgrad_expert_run = {self.wgrad_expert_run}")
+        if self.transport == "megakernel" and (self.gemm_warp_specialize or self.wgrad_warp_specialize):
+            raise UniEPConfigError(
+                "gemm_warp_specialize and wgrad_warp_specialize cannot go with transport = 'megakernel': its launches "
+                "run unspecialized and on an H200 the specialized loops gave other bits, so the ranks would not give "
+                "one GPU's bits; allowed: transport = 'all_to_all', or both false")
         if self.num_programs < 0:
             raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 
