@@ -111,21 +111,10 @@ VARIANTS = {
     "wgrad_run4": dict(wgrad_expert_run=4),
     "wgrad_run8": dict(wgrad_expert_run=8),
     "wgrad_run4_bk32_s4": dict(wgrad_expert_run=4, wgrad_block_k=32, wgrad_num_stages=4),
-    # the runs warp-specialized (4 warps become a producer and two consumer warp groups)
-    "wgrad_ws": dict(wgrad_warp_specialize=True, wgrad_num_warps=4),
-    "wgrad_ws_run1": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
-    "wgrad_ws_run2": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=2),
-    "wgrad_ws_run4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=4),
-    "wgrad_ws_s4": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_num_stages=4),
-    # the row GEMMs' tile loop warp-specialized (not the up input gradient); gate/up's two
-    # 128-wide accumulators spilled in an sm_90 compile here, 64-wide ones did not
-    "gemm_ws": dict(gemm_warp_specialize=True, gemm_num_warps=4),
-    "gemm_ws_up64": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_up_block_n=64),
-    "gemm_ws_s4": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_num_stages=4, gemm_up_block_n=64),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
-# knobs whose change keeps the bits (schedule only); the warp-specialized loops are not
-# among them (on an H200 they gave other bits), so their variants are checked as close
+# knobs whose change keeps the bits (schedule only): their variants are checked bitwise,
+# the others as close
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
                   "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run"}

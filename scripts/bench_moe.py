@@ -66,11 +66,6 @@ SWEEP = {
     "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),  # weight gradients on 32-row steps
     "wgrad_run0": dict(wgrad_expert_run=0),  # weight-gradient tiles round-robin (the default before -1)
     "wgrad_run4": dict(wgrad_expert_run=4),  # runs of 4 tiles of one expert at every size
-    "wgrad_ws": dict(wgrad_warp_specialize=True, wgrad_num_warps=4),  # the runs warp-specialized
-    "wgrad_ws_run1": dict(wgrad_warp_specialize=True, wgrad_num_warps=4, wgrad_expert_run=1),
-    "gemm_ws_up64": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_up_block_n=64),  # row GEMMs specialized
-    "all_ws": dict(gemm_warp_specialize=True, gemm_num_warps=4, gemm_up_block_n=64,
-                   wgrad_warp_specialize=True, wgrad_num_warps=4),
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream

@@ -91,7 +91,7 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_gemm
 
-    variants = ["default", "pointer_loads", "wgrad_bk128_s2", "swiglu_bwd_fused", "gather_in_kernel", "gemm_ws"]
+    variants = ["default", "pointer_loads", "wgrad_bk128_s2", "swiglu_bwd_fused", "gather_in_kernel"]
     rows = bench_gemm.run_shape("tiny", variants, _bench_gemm_args())
     assert {(r["variant"], r["launch"]) for r in rows} == {
         (v, name) for v in variants for name in bench_gemm.LAUNCHES if (v, name) != ("gather_in_kernel", "gather_rows")
@@ -99,8 +99,7 @@ def test_bench_gemm_checks_every_variant_against_the_default(monkeypatch):
     assert all(r["ok"] for r in rows)
     checks = {r["variant"]: r["checked"] for r in rows}
     assert checks == {"default": "bitwise", "pointer_loads": "bitwise", "wgrad_bk128_s2": "close",
-                      "swiglu_bwd_fused": "bitwise", "gather_in_kernel": "bitwise",
-                      "gemm_ws": "close"}  # its bits differed on an H200: timed when close
+                      "swiglu_bwd_fused": "bitwise", "gather_in_kernel": "bitwise"}
 
 
 def test_bench_gemm_balanced_routing_gives_every_expert_the_same_rows():

@@ -32,20 +32,6 @@ def test_from_dict_sets_values():
         ({"wgrad_num_warps": 3}, r"uniep\.wgrad_num_warps = 3 is not allowed; allowed values: \(1, 2, 4, 8, 16\)"),
         ({"gemm_num_stages": 0}, r"uniep\.gemm_num_stages = 0 is not allowed; allowed values: 1\.\.8"),
         ({"num_programs": -1}, r"uniep\.num_programs = -1 must be >= 0"),
-        # warp specialization: 4 warps, and the runs' loop (the one specialized)
-        ({"wgrad_warp_specialize": True},
-         r"uniep\.wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 .*got wgrad_num_warps = 8"),
-        ({"wgrad_warp_specialize": True, "wgrad_num_warps": 4, "wgrad_expert_run": 0},
-         r"wgrad_warp_specialize = true needs .*wgrad_expert_run = 0"),
-        ({"gemm_warp_specialize": True}, r"uniep\.gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = 8"),
-        ({"config": "auto", "wgrad_warp_specialize": True, "wgrad_num_warps": 4},
-         r"need explicit tiles: the tuner \(config = 'auto'\) does not search them"),
-        # the megakernel runs unspecialized: with specialization its ranks would not give one GPU's bits
-        ({"transport": "megakernel", "gemm_warp_specialize": True, "gemm_num_warps": 4},
-         r"uniep\.gemm_warp_specialize and wgrad_warp_specialize cannot go with transport = 'megakernel'.*"
-         r"allowed: transport = 'all_to_all', or both false"),
-        ({"transport": "megakernel", "wgrad_warp_specialize": True, "wgrad_num_warps": 4},
-         r"cannot go with transport = 'megakernel'"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),
     ],
@@ -53,15 +39,6 @@ def test_from_dict_sets_values():
 def test_bad_tables_are_rejected_with_the_field_named(table, message):
     with pytest.raises(UniEPConfigError, match=message):
         UniEPConfig.from_dict(table)
-
-
-def test_warp_specialization_reaches_the_tiles_it_names():
-    from uniep.kernels.grouped_gemm import ExpertTiles
-
-    tiles = ExpertTiles.from_config(UniEPConfig(wgrad_warp_specialize=True, wgrad_num_warps=4))
-    assert tiles.wgrad.warp_specialize and tiles.wgrad_up.warp_specialize and not tiles.gemm.warp_specialize
-    tiles = ExpertTiles.from_config(UniEPConfig(gemm_warp_specialize=True, gemm_num_warps=4))
-    assert tiles.gemm.warp_specialize and tiles.up.warp_specialize and not tiles.wgrad.warp_specialize
 
 
 def test_direct_construction_validates():

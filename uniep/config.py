@@ -44,8 +44,7 @@ class UniEPConfig:
     all-to-all of rows in plan order (NCCL on GPU, gloo on CPU), experts on the chosen
     backend. ``megakernel``: dispatch, expert MLP and combine in two fused Triton
     launches over symmetric-memory peer buffers (CUDA GPUs); a group of several nodes
-    joins them with an inter-node all-to-all (hierarchical). Both give the same bits
-    (the warp-specialized loops, which the megakernel does not run, are refused with it).
+    joins them with an inter-node all-to-all (hierarchical). Both give the same bits.
     Ignored when the expert-parallel degree is 1."""
 
     gemm_block_m: int = 128
@@ -65,14 +64,6 @@ class UniEPConfig:
     gemm_half_tiles: bool = False
     """An expert's last row tile with at most ``gemm_block_m / 2`` rows runs a dot of
     half the rows (the forward and input-gradient GEMMs). Does not change bits."""
-    gemm_warp_specialize: bool = False
-    """The forward GEMMs and the down input gradient warp-specialized by Triton: a
-    producer warp group loads while two consumer warp groups compute
-    (``kernels.grouped_gemm.GemmTiles.warp_specialize``; not the up input gradient,
-    whose two loops Triton 3.6 cannot specialize). Needs ``gemm_num_warps`` = 4; gate/up
-    compiled for sm_90 spilled registers at ``gemm_up_block_n`` 128, not at 64. Changes
-    bits: on an H200 every specialized launch gave other bits than the default
-    (benchmarks/RESULTS.md); speed not measured (off)."""
     gemm_num_stages: int = 3
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
@@ -100,13 +91,6 @@ class UniEPConfig:
     expert; ``kernels.grouped_gemm.GemmTiles.expert_run``); -1, runs of 4 where an expert
     averages at most 384 rows (faster on an H200 at 4096 tokens, slower at 16384),
     else 0. Does not change bits."""
-    wgrad_warp_specialize: bool = False
-    """Weight gradients in runs (``wgrad_expert_run`` not 0) warp-specialized by Triton:
-    a producer warp group loads while two consumer warp groups compute
-    (``kernels.grouped_gemm.GemmTiles.warp_specialize``). Needs ``wgrad_num_warps`` = 4;
-    with -1 runs, experts above 384 rows on average take runs of 1. Changes bits: on an
-    H200 both weight gradients gave other bits than the default (benchmarks/RESULTS.md);
-    speed not measured (off)."""
 
     megakernel_sends_per_task: int = 16
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""
@@ -167,22 +151,6 @@ class UniEPConfig:
         if not -1 <= self.wgrad_expert_run <= 64:
             raise UniEPConfigError(f"wgrad_expert_run = {self.wgrad_expert_run} is not allowed; allowed values: "
                                    "-1 (by rows per expert), 0..64")
-        if self.config == "auto" and (self.gemm_warp_specialize or self.wgrad_warp_specialize):
-            raise UniEPConfigError("gemm_warp_specialize and wgrad_warp_specialize need explicit tiles: the tuner "
-                                   "(config = 'auto') does not search them; set config = 'explicit'")
-        if self.gemm_warp_specialize and self.gemm_num_warps != 4:
-            raise UniEPConfigError(f"gemm_warp_specialize = true needs gemm_num_warps = 4; got gemm_num_warps = "
-                                   f"{self.gemm_num_warps}")
-        if self.wgrad_warp_specialize and (self.wgrad_num_warps != 4 or self.wgrad_expert_run == 0):
-            raise UniEPConfigError(
-                f"wgrad_warp_specialize = true needs wgrad_num_warps = 4 and wgrad_expert_run != 0 (the runs' loop "
-                f"is the one specialized); got wgrad_num_warps = {self.wgrad_num_warps}, "
-                f"wgrad_expert_run = {self.wgrad_expert_run}")
-        if self.transport == "megakernel" and (self.gemm_warp_specialize or self.wgrad_warp_specialize):
-            raise UniEPConfigError(
-                "gemm_warp_specialize and wgrad_warp_specialize cannot go with transport = 'megakernel': its launches "
-                "run unspecialized and on an H200 the specialized loops gave other bits, so the ranks would not give "
-                "one GPU's bits; allowed: transport = 'all_to_all', or both false")
         if self.num_programs < 0:
             raise UniEPConfigError(f"num_programs = {self.num_programs} must be >= 0 (0: one per SM)")
 

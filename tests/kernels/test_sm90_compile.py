@@ -54,21 +54,10 @@ CASES = {
     "down input gradient, descriptor stores": (GEMM, dict(MODE=0, B_TRANSPOSED=False, C_DESC=True)),
     "SwiGLU backward epilogue, descriptor stores": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128, C_DESC=True)),
     "gate/up, half tiles and descriptor stores": (GEMM, dict(MODE=1, BLOCK_N=128, C_DESC=True, HALF_TILES=True)),
-    # warp-specialized tile loops (``gemm_warp_specialize``, 4 warps): Triton makes them 12
-    "gate/up, warp-specialized": (GEMM, dict(MODE=1, BLOCK_N=128, WARP_SPECIALIZE=True, num_warps=4)),
-    "down, scattered to (token, k), warp-specialized": (GEMM, dict(MODE=0, HAS_C_ROW=True, WARP_SPECIALIZE=True,
-                                                                   num_warps=4)),
-    "down input gradient, warp-specialized": (GEMM, dict(MODE=0, B_TRANSPOSED=False, WARP_SPECIALIZE=True,
-                                                         num_warps=4)),
     "w2 gradient": (WGRAD, dict(HALVES=1)),
     "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
     "w2 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=1, EXPERT_RUN=4)),
     "w1/w3 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=2, EXPERT_RUN=4)),
-    # warp-specialized runs (``wgrad_warp_specialize``, 4 warps): Triton makes them 12
-    "w2 gradient, warp-specialized runs": (WGRAD, dict(HALVES=1, EXPERT_RUN=4, WARP_SPECIALIZE=True, BLOCK_N=128,
-                                                       num_warps=4)),
-    "w1/w3 gradient, warp-specialized runs of 1": (WGRAD, dict(HALVES=2, EXPERT_RUN=1, WARP_SPECIALIZE=True,
-                                                               BLOCK_N=128, num_warps=4)),
     "router choice (Qwen3: E 128, K 8)": (ROUTER, dict()),
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
@@ -87,9 +76,6 @@ CASES = {
     # for shared memory (found in the compiled kernel's metadata)
     "not a power of 2 (control)": (GEMM, dict(BLOCK_N=96)),
     "too large (control)": (GEMM, dict(MODE=0, BLOCK_M=256, BLOCK_K=128, num_stages=4)),
-    # warp specialization asked at 8 warps: compiled, not specialized
-    "warp specialization at 8 warps (control)": (WGRAD, dict(HALVES=2, EXPERT_RUN=4, WARP_SPECIALIZE=True,
-                                                            BLOCK_N=128)),
 }
 
 
@@ -115,7 +101,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i64", a_scale_ptr="*fp32", c_row_ptr="*i64", tile_offsets_ptr="*i32",
                       table_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
-                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, WARP_SPECIALIZE=False, NUM_PROGRAMS=132,
+                         B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, NUM_PROGRAMS=132,
                          BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
     elif kind == SWIGLU_BWD:
         kernel = swiglu._swiglu_backward_kernel
@@ -138,7 +124,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
                       expert_offsets_ptr="*i32")
         constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
-                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, WARP_SPECIALIZE=False, NUM_PROGRAMS=132,
+                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, NUM_PROGRAMS=132,
                          NUM_STAGES=3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
     constants |= changes
     params = list(inspect.signature(kernel.fn).parameters)
@@ -152,7 +138,7 @@ def compile_sm90(name: str) -> dict:
         cause = e.__cause__ or e
         return {"error": f"{type(e).__name__}: {type(cause).__name__}: {cause}"[-2000:]}
     return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared,
-            "stack": _stack_bytes(compiled.asm["cubin"]), "warps": compiled.metadata.num_warps}
+            "stack": _stack_bytes(compiled.asm["cubin"])}
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -209,16 +195,6 @@ def test_float32_fitted_tiles_do_not_spill(compiled, name):
         pytest.skip("no cuobjdump with this Triton")
     assert stack <= 64, stack
     assert compiled["float32 at the bf16 tiles (control)"]["stack"] > 4096
-
-
-@pytest.mark.parametrize("name", [n for n in CASES if "warp-specialized" in n])
-def test_warp_specialized_loops_are_specialized(compiled, name):
-    """A producer warp group and two consumers: 12 warps from the 4 asked (at 8 warps
-    Triton leaves the loop as it is: the control); the weight gradients' without spills."""
-    assert compiled[name]["warps"] == 12
-    if CASES[name][0] == WGRAD:
-        assert compiled[name]["stack"] in (None, 0)
-    assert compiled["warp specialization at 8 warps (control)"]["warps"] == 8
 
 
 def test_the_controls_fail_here(compiled):

@@ -21,10 +21,7 @@ Grid: persistent, ``NUM_PROGRAMS`` programs; program ``p`` takes tiles
 ``p, p + NUM_PROGRAMS, ...`` of (row tile, column tile). Row tiles never cross experts;
 each output element is one dot product accumulated in fp32 over Kd in order, so the
 bits do not depend on ``NUM_PROGRAMS``. The tile schedule is read on the device (no
-host sync), from a ``row_tiles`` schedule built once per plan. Where the tiles ask
-(``GemmTiles.warp_specialize``) Triton warp-specializes the tile loop: the same dots in
-the same order in the source, yet on an H200 the compiled kernels gave other bits than
-the unspecialized ones (benchmarks/RESULTS.md).
+host sync), from a ``row_tiles`` schedule built once per plan.
 """
 
 from __future__ import annotations
@@ -118,21 +115,6 @@ class GemmTiles:
     and it runs in the pipelined loop; -1, by the rows per expert of each launch
     (``wgrad.expert_run_for``). The bits are the same, and a non-finite row reaches only
     its own expert's gradient either way."""
-    warp_specialize: bool = False
-    """The tile loop warp-specialized by Triton (on Hopper, from 4 warps: a producer warp
-    group issues the copy engine's loads while two consumer warp groups split each
-    tile's dots, so the loads of a tile go on during the previous one's store; one
-    program per SM). Needs ``num_warps`` 4. Taken by launches whose 16-bit operands all
-    come through descriptors unscaled: row GEMMs in ``WARP_SPECIALIZED_MODES`` without
-    half tiles or descriptor stores, weight gradients in runs (``expert_run`` not 0,
-    ``wgrad.warp_specialized``); the others run as without it. On an H200 the
-    specialized kernels gave other bits than the unspecialized ones."""
-
-    def __post_init__(self) -> None:
-        if self.warp_specialize and self.num_warps != 4:
-            raise ValueError(f"GemmTiles: warp_specialize needs num_warps = 4 (Triton specializes one warp group "
-                             f"into a producer and two consumers); got num_warps = {self.num_warps}")
-
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
         (and, for float32 dots in IEEE precision, the registers: first a shorter
@@ -229,11 +211,9 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores,
-                         warp_specialize=c.gemm_warp_specialize)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run,
-                          warp_specialize=c.wgrad_warp_specialize)
+                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 
@@ -413,7 +393,7 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
-    HALF_TILES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -453,48 +433,28 @@ def _grouped_gemm_kernel(
             aux3_desc = tl.make_tensor_descriptor(aux3_ptr, [rows_aux, N], [stride_auxm, 1], [BLOCK_M, BLOCK_N])
     n_tiles = tl.cdiv(N, BLOCK_N)
     total_tiles = tl.load(tile_offsets_ptr + num_experts) * n_tiles
-    if WARP_SPECIALIZE:
-        # Triton's warp specialization of the tile loop (with 4 warps on Hopper: a
-        # producer warp group issues the loads, two consumer warp groups split each
-        # tile's dots); it takes no value carried from one tile to the next, so each
-        # tile reads its row block itself (the producer runs ahead anyway).
-        for tile in tl.range(pid, total_tiles, NUM_PROGRAMS, warp_specialize=True):
-            e, row0, row_end = row_block(table_ptr, tile // n_tiles)
-            _row_tile(e, row0, row_end, (tile % n_tiles) * BLOCK_N, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr,
-                      b2_ptr, c_ptr, c2_ptr, c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk,
-                      stride_bn, stride_cm, stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc,
-                      aux3_desc, MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
+    # Each tile's row block is loaded one tile ahead, so its latency hides under the
+    # previous tile's loop; the scatter rows are loaded before the loop for the same reason.
+    e, row0, row_end = row_block(table_ptr, pid // n_tiles, pid < total_tiles)
+    for tile in range(pid, total_tiles, NUM_PROGRAMS):
+        next_tile = tile + NUM_PROGRAMS
+        next_e, next_row0, next_row_end = row_block(table_ptr, next_tile // n_tiles, next_tile < total_tiles)
+        n0 = (tile % n_tiles) * BLOCK_N
+        if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
+            # An expert's last tile with at most half its rows: the dot on half as many
+            # rows (each row's dot product is the same, so are its bits), stored through pointers.
+            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                      stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
+                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        else:
+            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+                      MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-    else:
-        # Each tile's row block is loaded one tile ahead, so its latency hides under the
-        # previous tile's loop; the scatter rows are loaded before the loop for the same reason.
-        e, row0, row_end = row_block(table_ptr, pid // n_tiles, pid < total_tiles)
-        for tile in range(pid, total_tiles, NUM_PROGRAMS):
-            next_tile = tile + NUM_PROGRAMS
-            next_e, next_row0, next_row_end = row_block(table_ptr, next_tile // n_tiles, next_tile < total_tiles)
-            n0 = (tile % n_tiles) * BLOCK_N
-            if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
-                # An expert's last tile with at most half its rows: the dot on half as many
-                # rows (each row's dot product is the same, so are its bits), stored through pointers.
-                _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                          c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                          stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                          MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
-                          BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            else:
-                _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                          c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                          stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
-                          MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
-                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            e, row0, row_end = next_e, next_row0, next_row_end
-
-
-# Warp specialization (``GemmTiles.warp_specialize``): the modes whose tile loop Triton 3.6
-# specialized in an sm_90 compile here (DUAL's two loops crashed its compiler), and the
-# programs per SM: three warp groups (12 warps from 4) take an SM's registers.
-WARP_SPECIALIZED_MODES = (PLAIN, SWIGLU_FWD)
-WARP_SPECIALIZED_PROGRAMS_PER_SM = 1
+        e, row0, row_end = next_e, next_row0, next_row_end
 
 
 def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mode: int = PLAIN) -> int:
@@ -616,9 +576,7 @@ def grouped_gemm(
     b_desc = tiles.descriptors and tma_readable(w_E) and tma_readable(w2_E)
     c_desc = tiles.store_descriptors and c_row is None and all(map(tma_readable, (c, c2, aux1, aux3)))
     half_tiles = tiles.half_tiles and tiles.block_m >= 32
-    specialize = (tiles.warp_specialize and mode in WARP_SPECIALIZED_MODES and a_desc and b_desc and not c_desc
-                  and not half_tiles and a_scale is None and a.element_size() == 2)
-    per_sm = WARP_SPECIALIZED_PROGRAMS_PER_SM if specialize else programs_per_sm(tiles, a.element_size(), a.device, mode)
+    per_sm = programs_per_sm(tiles, a.element_size(), a.device, mode)
     upper_tiles = (cdiv(num_rows, tiles.block_m) + num_experts) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles, per_sm)
     if a_desc or b_desc or c_desc:
@@ -637,7 +595,7 @@ def grouped_gemm(
         MODE=mode,
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_C_ROW=c_row is not None,
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=half_tiles,
-        WARP_SPECIALIZE=specialize, NUM_PROGRAMS=programs,
+        NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

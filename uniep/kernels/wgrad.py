@@ -16,8 +16,7 @@ bitwise the same for any number of programs. An expert with no rows gets zeros.
 Grid: persistent, ``NUM_PROGRAMS`` programs over E * cdiv(M, BLOCK_M) * (1 or 2) * cdiv(N, BLOCK_N)
 tiles, as many per SM as fit (``programs_per_sm``): dealt round-robin, or in runs of
 consecutive tiles of one expert (``GemmTiles.expert_run``), whose descriptors end at the
-expert's last row so that its partial last chunk of rows joins the pipelined loop; the
-runs' loop warp-specialized where the tiles ask (``GemmTiles.warp_specialize``). The
+expert's last row so that its partial last chunk of rows joins the pipelined loop. The
 bits are the same either way.
 """
 
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 
 from uniep.kernels.grouped_gemm import (
-    WARP_SPECIALIZED_PROGRAMS_PER_SM,
     GemmTiles,
     _num_programs,
     dot_precision,
@@ -147,7 +145,7 @@ def _wgrad_tile(
         tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         c_offs = e.to(tl.int64) * stride_ce + cols_n[None, :] * stride_cm + cols_m[:, None]
-        # a select, not a branch of two stores: warp specialization takes no branch there
+        # one store, its base pointer selected by the half
         c_half = tl.where(half == 0, c_ptr, c2_ptr)
         tl.store(c_half + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -166,7 +164,7 @@ def _grouped_wgrad_kernel(
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXPERT_RUN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -197,11 +195,9 @@ def _grouped_wgrad_kernel(
     else:
         # Runs of EXPERT_RUN consecutive tiles of one expert per program, A (and B, where
         # it is not gathered) read through descriptors that end at the expert's last row
-        # (built once per run; B's over its halves). WARP_SPECIALIZE: Triton's automatic
-        # warp specialization of this loop (with 4 warps on Hopper: a producer warp group
-        # issues the loads, two consumer warp groups split each tile's dots).
+        # (built once per run; B's over its halves).
         runs_per_expert = tl.cdiv(expert_tiles, EXPERT_RUN)
-        for run in tl.range(pid, num_experts * runs_per_expert, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
+        for run in range(pid, num_experts * runs_per_expert, NUM_PROGRAMS):
             e = run // runs_per_expert
             first = run % runs_per_expert * EXPERT_RUN
             row_start = tl.load(expert_offsets_ptr + e)
@@ -277,20 +273,12 @@ RUNS_UP_TO_ROWS_PER_EXPERT = 384
 def expert_run_for(tiles: GemmTiles, rows: int, num_experts: int) -> int:
     """The weight-gradient tiles per run of one expert (0: round-robin tiles): as the tiles
     say, or where they say -1, 4 up to ``RUNS_UP_TO_ROWS_PER_EXPERT`` rows per expert on
-    average, else 0 (1 with warp specialization, which only the runs' loop takes). The
-    bits are the same either way."""
+    average, else 0. The bits are the same either way."""
     if tiles.expert_run >= 0:
         return tiles.expert_run
     if rows <= RUNS_UP_TO_ROWS_PER_EXPERT * num_experts:
         return 4
-    return 1 if tiles.warp_specialize else 0
-
-
-def warp_specialized(tiles: GemmTiles, expert_run: int, a: torch.Tensor, b_desc: bool, scaled: bool) -> bool:
-    """Whether a launch takes ``tiles.warp_specialize``: in runs of one expert's tiles,
-    16-bit operands all read through descriptors and not scaled (the loop Triton's
-    automatic warp specialization was seen to compile, tests/kernels/test_sm90_compile.py)."""
-    return tiles.warp_specialize and expert_run > 0 and b_desc and not scaled and a.element_size() == 2
+    return 0
 
 
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
@@ -301,8 +289,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
     expert_run = expert_run_for(tiles, a.shape[0], num_experts) if a_desc else 0
-    specialize = warp_specialized(tiles, expert_run, a, b_desc, a_scale is not None or b_scale is not None)
-    per_sm = WARP_SPECIALIZED_PROGRAMS_PER_SM if specialize else programs_per_sm(tiles, a.element_size(), a.device)
+    per_sm = programs_per_sm(tiles, a.element_size(), a.device)
     upper_tiles = halves * num_experts * cdiv(M, tiles.block_m) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles, per_sm)
     if a_desc or b_desc:
@@ -314,7 +301,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, EXPERT_RUN=expert_run, WARP_SPECIALIZE=specialize,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, EXPERT_RUN=expert_run,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
