@@ -111,13 +111,15 @@ VARIANTS = {
     "wgrad_run4": dict(wgrad_expert_run=4),
     "wgrad_run8": dict(wgrad_expert_run=8),
     "wgrad_run4_bk32_s4": dict(wgrad_expert_run=4, wgrad_block_k=32, wgrad_num_stages=4),
+    # weight-gradient tiles stored through descriptors (the same bits)
+    "wgrad_store_desc": dict(wgrad_descriptor_stores=True),
 }
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only): their variants are checked bitwise,
 # the others as close
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
-                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run"}
+                  "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_descriptor_stores"}
 ROUTINGS = ("random", "balanced")
 
 

@@ -67,6 +67,7 @@ SWEEP = {
     "wgrad_run0": dict(wgrad_expert_run=0),  # weight-gradient tiles round-robin (the default before -1)
     "wgrad_run4": dict(wgrad_expert_run=4),  # runs of 4 tiles of one expert at every size
     "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
+    "wgrad_store_desc": dict(wgrad_descriptor_stores=True),  # weight-gradient tiles stored through descriptors
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
     "one_stream": dict(shared_experts_stream=False),

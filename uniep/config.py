@@ -91,6 +91,15 @@ class UniEPConfig:
     expert; ``kernels.grouped_gemm.GemmTiles.expert_run``); -1, runs of 4 where an expert
     averages at most 384 rows (faster on an H200 at 4096 tokens, slower at 16384),
     else 0. Does not change bits."""
+    wgrad_descriptor_stores: bool = False
+    """The weight gradients store their tiles through tensor descriptors (TMA on
+    Hopper) instead of pointer stores, where each expert's gradient is a whole number
+    of tiles high (w2: ``wgrad_block_m`` divides the model dim; w1/w3:
+    ``wgrad_up_block_n`` divides the expert hidden dim). On an H100 the layer ran 2%
+    faster at the DeepSeek-V3-671B slice and 5% slower at Qwen3-30B-A3B's 32768 tokens;
+    the launches alone were slower at the Qwen3 and DeepSeek-V3-16B shapes (a tile of
+    shared memory for the store leaves room for one program per SM instead of two;
+    benchmarks/RESULTS.md). Does not change bits."""
 
     megakernel_sends_per_task: int = 16
     """Megakernel: token sends per push task (1..256, power of 2). Does not change bits."""

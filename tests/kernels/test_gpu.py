@@ -114,6 +114,7 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(gemm_num_warps=4, wgrad_num_warps=4),
         dict(gemm_half_tiles=not UniEPConfig().gemm_half_tiles),
         dict(descriptor_stores=not UniEPConfig().descriptor_stores),
+        dict(wgrad_descriptor_stores=not UniEPConfig().wgrad_descriptor_stores),
         dict(wgrad_expert_run=4),
         dict(wgrad_expert_run=0),
     ]

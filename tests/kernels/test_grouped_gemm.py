@@ -333,3 +333,49 @@ def test_wgrad_expert_runs_by_rows_per_expert():
     assert [expert_run_for(auto, limit * 10 + d, 10) for d in (0, 1)] == [4, 0]
     assert expert_run_for(dataclasses.replace(TILES, expert_run=0), 16, 10) == 0
     assert expert_run_for(dataclasses.replace(TILES, expert_run=2), 10**6, 10) == 2
+
+
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("run", [0, 2])
+def test_wgrad_descriptor_stores_give_the_pointer_stores_bits(halves, run):
+    """Tiles stored through a descriptor over the experts' gradients stacked as rows:
+    the bits of the pointer stores, with columns past the tiles' edge (24 of 16-wide
+    tiles) clipped and an empty expert's zeros."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.tensor([5, 0, 33, 17])
+    E, P = counts.numel(), int(counts.sum())
+    a, a2 = torch.randn(P, 32, generator=gen), torch.randn(P, 32, generator=gen)
+    b = torch.randn(P, 24, generator=gen)
+    offsets = row_tiles(counts, 16, P).expert_offsets
+    pointers = dataclasses.replace(TILES, descriptors=True, expert_run=run)
+    stored = dataclasses.replace(pointers, store_descriptors=True)
+
+    def launch(tiles):
+        out = grouped_wgrad(a, b, offsets, E, tiles=tiles, out_dtype=torch.float32, a2=a2 if halves == 2 else None)
+        return out if halves == 2 else (out,)
+
+    from uniep.kernels.wgrad import stores_through_descriptor
+
+    expected = launch(pointers)
+    assert stores_through_descriptor(stored, expected[0], expected[-1], halves)  # (E, 32, 24): two 16-row tiles
+    assert [torch.equal(x, y) for x, y in zip(launch(stored), expected)] == [True] * halves
+    torch.testing.assert_close(expected[0], grouped_wgrad_reference(a, b, counts.tolist()), **TOL[torch.float32])
+    assert torch.count_nonzero(expected[0][1]) == 0
+
+
+def test_wgrad_descriptor_store_choice():
+    """The descriptor stores need each expert's gradient a whole number of tiles high
+    and contiguous outputs (controls: each missing one turns them off)."""
+    import dataclasses
+
+    from uniep.kernels.wgrad import stores_through_descriptor
+
+    tiles = dataclasses.replace(TILES, store_descriptors=True)
+    c = torch.zeros(2, 3, 32, 48)
+    assert stores_through_descriptor(tiles, c[0], c[0], halves=1)
+    assert stores_through_descriptor(tiles, c[0], c[1], halves=2)
+    assert not stores_through_descriptor(tiles, c[0], c[1].transpose(1, 2), halves=2)  # C2 not contiguous
+    assert not stores_through_descriptor(tiles, torch.zeros(3, 40, 48), None, halves=1)  # 40 rows: 2.5 tiles
+    assert not stores_through_descriptor(TILES, c[0], c[0], halves=1)  # not asked

@@ -58,6 +58,8 @@ CASES = {
     "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
     "w2 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=1, EXPERT_RUN=4)),
     "w1/w3 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=2, EXPERT_RUN=4)),
+    "w2 gradient, descriptor stores": (WGRAD, dict(HALVES=1, EXPERT_RUN=4, C_DESC=True, BLOCK_N=128)),
+    "w1/w3 gradient, descriptor stores": (WGRAD, dict(HALVES=2, EXPERT_RUN=4, C_DESC=True, BLOCK_N=128)),
     "router choice (Qwen3: E 128, K 8)": (ROUTER, dict()),
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
@@ -124,7 +126,7 @@ def compile_sm90(name: str) -> dict:
         types |= dict(a_row_ptr="*i32", a_scale_ptr="*fp32", b_row_ptr="*i32", b_scale_ptr="*fp32",
                       expert_offsets_ptr="*i32")
         constants = dict(HAS_A_ROW=False, HAS_A_SCALE=False, HAS_B_ROW=False, HAS_B_SCALE=False, HALVES=1,
-                         A_DESC=True, B_DESC=True, EXPERT_RUN=0, NUM_PROGRAMS=132,
+                         A_DESC=True, B_DESC=True, C_DESC=False, EXPERT_RUN=0, NUM_PROGRAMS=132,
                          NUM_STAGES=3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
     constants |= changes
     params = list(inspect.signature(kernel.fn).parameters)

@@ -213,7 +213,8 @@ class ExpertTiles:
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
-                          c.wgrad_num_stages, programs, c.descriptor_loads, expert_run=c.wgrad_expert_run)
+                          c.wgrad_num_stages, programs, c.descriptor_loads, store_descriptors=c.wgrad_descriptor_stores,
+                          expert_run=c.wgrad_expert_run)
         return cls(gemm, dataclasses.replace(gemm, block_n=c.gemm_up_block_n),
                    wgrad, dataclasses.replace(wgrad, block_n=c.wgrad_up_block_n))
 

@@ -88,13 +88,13 @@ def _accumulate_rows(
 
 @triton.jit
 def _wgrad_tile(
-    e, j, row_start, row_end, m_tiles, n_tiles, a_desc, b_desc,
+    e, j, row_start, row_end, m_tiles, n_tiles, a_desc, b_desc, c_desc, c2_desc,
     a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr, c_ptr, c2_ptr,
-    M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+    M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, A_ENDS_AT_EXPERT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    C_DESC: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Tile ``j`` (modulo the expert's tiles) of expert ``e``'s gradient (its row tiles of
     A, within each B's and then B2's column tiles), summed over the expert's rows
@@ -102,7 +102,9 @@ def _wgrad_tile(
     ``a_desc`` ends at ``row_end``, and so does ``b_desc`` where B comes through it (then
     a (halves, rows, N) descriptor), so the copy engine reads zeros past the expert's end
     and the partial last chunk runs in the pipelined loop (the next expert's rows, even
-    non-finite ones, do not reach this gradient)."""
+    non-finite ones, do not reach this gradient). ``C_DESC``: the tile is stored through
+    ``c_desc``, (E M, N), or with two halves C^T and C2^T through ``c_desc`` and
+    ``c2_desc``, (E N, M) each."""
     stacked_tiles = HALVES * n_tiles
     m0 = (j // stacked_tiles % m_tiles) * BLOCK_M
     n_stacked = j % stacked_tiles
@@ -140,7 +142,16 @@ def _wgrad_tile(
             HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, False, False, BLOCK_K, DOT_PRECISION, 1,
         )
     c_mask = mask_m[:, None] & mask_n[None, :]
-    if HALVES == 1:
+    if C_DESC:
+        # the experts' gradients stacked as rows (a whole number of row tiles each, so a
+        # tile never reaches the next one's); the copy engine clips the last columns
+        if HALVES == 1:
+            c_desc.store([e * M + m0, n0], acc.to(c_ptr.dtype.element_ty))
+        elif half == 0:
+            c_desc.store([e * N + n0, m0], tl.trans(acc.to(c_ptr.dtype.element_ty)))
+        else:
+            c2_desc.store([e * N + n0, m0], tl.trans(acc.to(c_ptr.dtype.element_ty)))
+    elif HALVES == 1:
         c_offs = e.to(tl.int64) * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :]
         tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
@@ -163,8 +174,8 @@ def _grouped_wgrad_kernel(
     M, N, num_experts, rows_a, rows_b,
     stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
-    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXPERT_RUN: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_DESC: tl.constexpr,
+    EXPERT_RUN: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -176,6 +187,14 @@ def _grouped_wgrad_kernel(
         a_desc = tl.make_tensor_descriptor(a_ptr, [rows_a, M], [stride_am, 1], [BLOCK_K, BLOCK_M])
     if B_DESC:
         b_desc = tl.make_tensor_descriptor(b_ptr, [HALVES * rows_b, N], [stride_bm, 1], [BLOCK_K, BLOCK_N])
+    c_desc = c_ptr
+    c2_desc = c2_ptr
+    if C_DESC:  # C as (E M, N); with two halves C^T and C2^T, each (E N, M)
+        if HALVES == 1:
+            c_desc = tl.make_tensor_descriptor(c_ptr, [num_experts * M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+        else:
+            c_desc = tl.make_tensor_descriptor(c_ptr, [num_experts * N, M], [stride_cm, 1], [BLOCK_N, BLOCK_M])
+            c2_desc = tl.make_tensor_descriptor(c2_ptr, [num_experts * N, M], [stride_cm, 1], [BLOCK_N, BLOCK_M])
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     # An expert's tiles in order: its row tiles of A, within each the tiles of B, then
@@ -187,9 +206,9 @@ def _grouped_wgrad_kernel(
             e = tile // expert_tiles
             _wgrad_tile(
                 e, tile, tl.load(expert_offsets_ptr + e), tl.load(expert_offsets_ptr + e + 1),
-                m_tiles, n_tiles, a_desc, b_desc, a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
-                c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
-                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, A_DESC, B_DESC, False,
+                m_tiles, n_tiles, a_desc, b_desc, c_desc, c2_desc, a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr,
+                b_scale_ptr, c_ptr, c2_ptr, M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, A_DESC, B_DESC, False, C_DESC,
                 NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )
     else:
@@ -210,10 +229,10 @@ def _grouped_wgrad_kernel(
                                                      [1, BLOCK_K, BLOCK_N])
             for j in range(first, tl.minimum(first + EXPERT_RUN, expert_tiles)):
                 _wgrad_tile(
-                    e, j, row_start, row_end, m_tiles, n_tiles, expert_a, expert_b,
+                    e, j, row_start, row_end, m_tiles, n_tiles, expert_a, expert_b, c_desc, c2_desc,
                     a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
-                    c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
-                    HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, True, B_DESC, True,
+                    c_ptr, c2_ptr, M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                    HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, True, B_DESC, True, C_DESC,
                     NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
                 )
 
@@ -281,6 +300,17 @@ def expert_run_for(tiles: GemmTiles, rows: int, num_experts: int) -> int:
     return 0
 
 
+def stores_through_descriptor(tiles: GemmTiles, c: torch.Tensor, c2: torch.Tensor, halves: int) -> bool:
+    """Whether a launch stores its tiles through one descriptor over the experts'
+    gradients stacked as rows (``tiles.store_descriptors``; with two halves one each
+    for C and C2): where each expert's is a whole number of tiles high (C's rows: the
+    kernel's ``block_m``, or with two halves, stored as C^T, its ``block_n``), so that no
+    tile reaches the next expert's."""
+    tile_rows = tiles.block_m if halves == 1 else tiles.block_n
+    return (tiles.store_descriptors and c.shape[1] % tile_rows == 0
+            and all(t.is_contiguous() and tma_readable(t) for t in ((c,) if halves == 1 else (c, c2))))
+
+
 def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_experts, tiles, halves):
     """C = A^T B per expert (halves = 1), or C^T, C2^T from B's two stacked halves."""
     M, N = a.shape[1], b.shape[1]
@@ -289,10 +319,11 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
     a_desc = tiles.descriptors and a_row is None and tma_readable(a)
     b_desc = tiles.descriptors and b_row is None and tma_readable(b)
     expert_run = expert_run_for(tiles, a.shape[0], num_experts) if a_desc else 0
+    c_desc = stores_through_descriptor(tiles, c, c2, halves)
     per_sm = programs_per_sm(tiles, a.element_size(), a.device)
     upper_tiles = halves * num_experts * cdiv(M, tiles.block_m) * cdiv(N, tiles.block_n)
     programs = _num_programs(tiles, a.device, upper_tiles, per_sm)
-    if a_desc or b_desc:
+    if a_desc or b_desc or c_desc:
         use_descriptor_scratch(a.device)
     launcher(_grouped_wgrad_kernel)[(programs,)](
         a, dummy if a_row is None else a_row, dummy if a_scale is None else a_scale,
@@ -301,7 +332,7 @@ def _launch(a, a_row, a_scale, b, b_row, b_scale, c, c2, expert_offsets, num_exp
         M, N, num_experts, a.shape[0], b.shape[0] // halves,
         a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         HAS_A_ROW=a_row is not None, HAS_A_SCALE=a_scale is not None, HAS_B_ROW=b_row is not None, HAS_B_SCALE=b_scale is not None,
-        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, EXPERT_RUN=expert_run,
+        HALVES=halves, A_DESC=a_desc, B_DESC=b_desc, C_DESC=c_desc, EXPERT_RUN=expert_run,
         NUM_PROGRAMS=programs, NUM_STAGES=tiles.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
