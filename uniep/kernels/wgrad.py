@@ -90,7 +90,7 @@ def _accumulate_rows(
 def _wgrad_tile(
     e, j, row_start, row_end, m_tiles, n_tiles, a_desc, b_desc, c_desc, c2_desc,
     a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr, c_ptr, c2_ptr,
-    M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+    M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
     HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_B_ROW: tl.constexpr, HAS_B_SCALE: tl.constexpr,
     HALVES: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, A_ENDS_AT_EXPERT: tl.constexpr,
     C_DESC: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -207,7 +207,7 @@ def _grouped_wgrad_kernel(
             _wgrad_tile(
                 e, tile, tl.load(expert_offsets_ptr + e), tl.load(expert_offsets_ptr + e + 1),
                 m_tiles, n_tiles, a_desc, b_desc, c_desc, c2_desc, a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr,
-                b_scale_ptr, c_ptr, c2_ptr, M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                b_scale_ptr, c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
                 HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, A_DESC, B_DESC, False, C_DESC,
                 NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )
@@ -231,7 +231,7 @@ def _grouped_wgrad_kernel(
                 _wgrad_tile(
                     e, j, row_start, row_end, m_tiles, n_tiles, expert_a, expert_b, c_desc, c2_desc,
                     a_ptr, a_row_ptr, a_scale_ptr, b_ptr, b_row_ptr, b_scale_ptr,
-                    c_ptr, c2_ptr, M, N, num_experts, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
+                    c_ptr, c2_ptr, M, N, rows_b, stride_am, stride_bm, stride_ce, stride_cm,
                     HAS_A_ROW, HAS_A_SCALE, HAS_B_ROW, HAS_B_SCALE, HALVES, True, B_DESC, True, C_DESC,
                     NUM_STAGES, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
                 )
