@@ -28,7 +28,7 @@ from uniep.tune.cache import MoEShape
 from uniep.tune.cost_model import DEFAULT_CALIBRATION, Calibration, predict
 from uniep.tune.device import DeviceSpec
 from uniep.tune.search import uniform_rows
-from uniep.tune.space import KNOBS, Space
+from uniep.tune.space import KNOBS, Space, default_switches
 
 # Fitted constants and how they map to an unconstrained vector (log for positive ones).
 FITTED = ("epilogue_steps", "latency_k", "step_overhead_k", "full_rate_area", "shape_exponent",
@@ -42,12 +42,14 @@ def load(folder: str):
     (device_file,) = glob.glob(os.path.join(folder, "device-*.json"))
     spec = DeviceSpec(**json.load(open(device_file)))
     settings = []
+    switches = default_switches()
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         if path == device_file:
             continue
         data = json.load(open(path))
         dim, hidden, experts, top_k = map(int, re.findall(r"\d+", data["shape"]))
-        points = data["results"]
+        # a point with a switch flipped has the kernel knobs of another: the model does not see it
+        points = [p for p in data["results"] if all(p["knobs"].get(k, v) == v for k, v in switches.items())]
         space = Space({k: np.array([p["knobs"][k] for p in points]) for k in KNOBS})
         measured = np.array([p["measured_ms"] for p in points]) / 1e3
         name = f"{data['shape']} T{data['tokens']}"

@@ -127,21 +127,111 @@ def test_neighbours_change_one_knob_and_fit_the_device():
     assert not any(p["gemm_num_stages"] == 5 for p in found)
 
 
-def test_cost_model_error_on_the_measured_h200_points():
-    """The shipped constants against the committed H200 measurements (65 points, five
-    shape/token settings): median error under 10%, and every setting's under 10%."""
+def _fit_script():
     import importlib.util
-    import statistics
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     spec_ = importlib.util.spec_from_file_location("fit_cost_model", root / "scripts" / "fit_cost_model.py")
     fit = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(fit)
+    return fit, root
+
+
+def test_cost_model_error_on_the_measured_h200_points():
+    """The shipped constants against the committed H200 measurements (65 points, five
+    shape/token settings): median error under 10%, and every setting's under 10%."""
+    import statistics
+
     from uniep.tune.cost_model import DEFAULT_CALIBRATION
+
+    fit, root = _fit_script()
 
     settings, device = fit.load(str(root / "benchmarks" / "tune"))
     assert len(settings) == 5 and device.name == "NVIDIA H200"
     errors = fit.errors(settings, device, DEFAULT_CALIBRATION)
     assert statistics.median(np.concatenate(list(errors.values()))) < 0.10
     assert all(statistics.median(e) < 0.10 for e in errors.values()), {k: statistics.median(e) for k, e in errors.items()}
+
+
+def _fake_timer(gains: dict, drift_ms: float = 0.0):
+    """``timer(knobs)`` for ``tune``: 10 ms, minus ``gains[name]`` ms where a switch is
+    flipped on, plus ``drift_ms`` more on every call (clocks drifting between timings)."""
+    calls = []
+
+    def timer(knobs):
+        calls.append(knobs)
+        return 10.0 + drift_ms * len(calls) - sum(g for name, g in gains.items() if knobs[name])
+
+    return timer, calls
+
+
+def _tune(tmp_path, timer):
+    from uniep.tune.measure import tune
+
+    cache = TuneCache(tmp_path / "tune.json")
+    report = tune(QWEN3, 16384, SPEC, top=2, local_search=1, cache=cache, timer=timer)
+    return report, cache.lookup(SPEC.name, 1, QWEN3, 16384)
+
+
+def test_tuning_keeps_a_switch_that_measures_faster(tmp_path):
+    from uniep.tune.space import SWITCHES
+
+    timer, calls = _fake_timer({"wgrad_descriptor_stores": 1.0})
+    report, entry = _tune(tmp_path, timer)
+    # the candidates with every switch at its default, then one flip and one re-timing per switch
+    assert all(not calls[i][name] for i in range(len(calls) - 2 * len(SWITCHES)) for name in SWITCHES)
+    assert len(report["results"]) == len(calls) == 4 + 2 * len(SWITCHES)  # 2 predicted, default, 1 neighbour
+    assert entry["knobs"]["wgrad_descriptor_stores"] is True and entry["measured_ms"] == pytest.approx(9.0)
+    assert not entry["knobs"]["descriptor_stores"] and not entry["knobs"]["gemm_half_tiles"]
+    assert report["best"]["label"].endswith(", wgrad_descriptor_stores=True (again)")
+    measured, source = resolve(UniEPConfig(config="auto"), QWEN3, 16384, SPEC, cache=TuneCache(tmp_path / "tune.json"))
+    assert source == "measured" and measured.wgrad_descriptor_stores
+
+
+@pytest.mark.parametrize("drift_ms", [0.0, 0.01, -0.01])
+def test_tuning_drops_a_switch_that_does_not_measure_faster(tmp_path, drift_ms):
+    """Negative controls: a flip that is slower, or that changes nothing while the clocks
+    drift either way, is not kept."""
+    gains = {"wgrad_descriptor_stores": -0.5} if drift_ms == 0.0 else {}
+    timer, _ = _fake_timer(gains, drift_ms)
+    _, entry = _tune(tmp_path, timer)
+    assert not any(entry["knobs"][name] for name in ("wgrad_descriptor_stores", "descriptor_stores", "gemm_half_tiles"))
+
+
+def test_tuning_candidates_are_labelled_and_fit_the_device():
+    from uniep.tune.measure import candidates
+    from uniep.tune.space import default_switches
+
+    points, predicted = candidates(QWEN3, 16384, SPEC, top=3, local_search=2)
+    labels = [label for label, _ in points]
+    default = {k: getattr(UniEPConfig(), k) for k in CHOICES}
+    assert labels[:3] == ["predicted #1", "predicted #2", "predicted #3"] or "default" in labels[:3]
+    assert [knobs for label, knobs in points if label == "default"] == [{**default, **default_switches()}]
+    nearby = [(label, knobs) for label, knobs in points if label.startswith("default with ")]
+    assert len(nearby) == 2
+    for label, knobs in nearby:
+        (changed,) = [k for k in CHOICES if knobs[k] != default[k]]
+        assert label == f"default with {changed}={knobs[changed]}"
+    assert all(tuple((k, knobs[k]) for k in CHOICES) in predicted for _, knobs in points)
+
+
+def test_the_fit_leaves_out_points_with_a_switch_flipped(tmp_path):
+    """A flipped switch times other kernels under the same kernel knobs: the cost model
+    cannot see the difference, so its fit must not read those points."""
+    import dataclasses
+    import json
+
+    from uniep.tune.space import default_switches
+
+    fit, _ = _fit_script()
+    (tmp_path / "device-test-gpu.json").write_text(json.dumps(dataclasses.asdict(SPEC)))
+    knobs = {k: getattr(UniEPConfig(), k) for k in CHOICES}
+    results = [{"knobs": {**knobs, **default_switches()}, "measured_ms": 10.0},
+               {"knobs": knobs, "measured_ms": 11.0},  # written before the switches were measured
+               {"knobs": {**knobs, **default_switches(), "wgrad_descriptor_stores": True}, "measured_ms": 9.0}]
+    (tmp_path / "qwen3.json").write_text(json.dumps({"shape": QWEN3.key(), "tokens": 16384, "results": results}))
+    ((name, shape, tokens, space, measured),), spec = fit.load(str(tmp_path))
+    assert (shape, tokens, spec) == (QWEN3, 16384, SPEC)
+    assert measured.tolist() == [0.010, 0.011] and len(space) == 2
+    assert "wgrad_descriptor_stores    False, True" in describe()

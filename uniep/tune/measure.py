@@ -14,7 +14,7 @@ from uniep.moe import UniEPMoE
 from uniep.tune.cache import MoEShape, TuneCache
 from uniep.tune.device import DeviceSpec
 from uniep.tune.search import neighbors, rank
-from uniep.tune.space import KNOBS, full_space
+from uniep.tune.space import KNOBS, SWITCHES, default_switches, full_space
 
 
 def median_cuda_ms(step, warmup: int = 3, iters: int = 10) -> float:
@@ -66,22 +66,101 @@ def time_layer(layer: UniEPMoE, x: torch.Tensor, grad: torch.Tensor) -> float:
 def _progress(i: int, n: int, label: str, best: float) -> None:
     width = 24
     filled = int(width * i / n)
-    sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{n} {label:<28s} best {best:7.3f} ms")
+    sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{n} {label:<40s} best {best:7.3f} ms")
     sys.stdout.flush()
+
+
+def candidates(
+    shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1, local_search: int = 0,
+) -> tuple[list[tuple[str, dict]], dict[tuple, float]]:
+    """The points to measure first, as (label, knobs): the ``top`` predicted, the default
+    config and up to ``local_search`` of the default's one-knob neighbours (best
+    predicted first), every switch at its default; and the model's prediction (seconds)
+    of every feasible point, keyed by its kernel knobs."""
+    default = {k: getattr(UniEPConfig(), k) for k in KNOBS}
+    switches = default_switches()
+    ranked = rank(shape, tokens, spec, top=len(full_space()), ep_size=ep_size)
+    predicted = {tuple(k.items()): t for k, t in ranked}
+    points = [(f"predicted #{i + 1}", knobs) for i, (knobs, _) in enumerate(ranked[:top])]
+    if default not in [knobs for _, knobs in points]:
+        points.append(("default", default))
+    points = [("default" if knobs == default else label, knobs) for label, knobs in points]
+    nearby = sorted(neighbors(default, spec), key=lambda k: predicted.get(tuple(k.items()), float("inf")))
+    for knobs in [k for k in nearby if k not in [p for _, p in points]][:local_search]:
+        name, value = next((k, v) for k, v in knobs.items() if v != default[k])
+        points.append((f"default with {name}={value}", knobs))
+    return [(label, {**knobs, **switches}) for label, knobs in points], predicted
 
 
 def tune(
     shape: MoEShape, tokens: int, spec: DeviceSpec, *, top: int = 8, ep_size: int = 1,
     score_func: str = "softmax", score_before_experts: bool = False, local_search: int = 0,
-    cache: TuneCache | None = None, on_result=None,
+    cache: TuneCache | None = None, on_result=None, timer=None,
 ) -> dict:
-    """Measure the ``top`` predicted points, the default config and up to ``local_search``
-    of the default's one-knob neighbours (best predicted first); store the fastest.
+    """Measure the ``candidates``, then flip each of the ``SWITCHES`` on the fastest
+    point so far, one at a time, keeping a flip that measures faster than that point
+    timed both before and after it; store the fastest.
 
-    Returns ``{"best": {...}, "results": [{knobs, predicted_ms, measured_ms}, ...],
-    "median_error", "worst_error"}`` (errors relative to the measured times).
-    ``on_result(results)`` is called after each measurement (e.g. to save progress).
+    ``timer(knobs)`` gives the forward+backward milliseconds of a layer with ``knobs``
+    (default: a bf16 layer of ``shape`` on this GPU, ``time_layer``). Returns
+    ``{"best": {...}, "results": [{knobs, label, predicted_ms, measured_ms}, ...],
+    "median_error", "worst_error"}``: errors of the model (which sees only the kernel
+    knobs) relative to the measured times. ``on_result(results)`` is called after each
+    measurement (e.g. to save progress).
     """
+    if timer is None:
+        timer = _layer_timer(shape, tokens, score_func, score_before_experts)
+    points, predicted = candidates(shape, tokens, spec, top=top, ep_size=ep_size, local_search=local_search)
+    total = len(points) + 2 * sum(len(values) - 1 for values in SWITCHES.values())
+    results = []
+
+    def measure(label: str, knobs: dict) -> dict | None:
+        best = min((r["measured_ms"] for r in results), default=float("inf"))
+        _progress(len(results), total, label, best)
+        try:
+            measured = timer(knobs)
+        except Exception as e:  # a point the model thought feasible that does not compile or fit
+            print(f"\n  {label}: skipped ({type(e).__name__}: {str(e)[:120]})")
+            return None
+        model_ms = predicted.get(tuple((k, knobs[k]) for k in KNOBS), float("nan")) * 1e3
+        result = {"knobs": knobs, "label": label, "predicted_ms": model_ms, "measured_ms": measured}
+        results.append(result)
+        if on_result is not None:
+            on_result(results)
+        return result
+
+    for label, knobs in points:
+        measure(label, knobs)
+    if not results:
+        raise RuntimeError(f"tune: none of the {len(points)} candidate schedules ran on this device")
+    winner = min(results, key=lambda r: r["measured_ms"])
+    label = winner["label"]
+    for name, values in SWITCHES.items():
+        for value in values:
+            if value == winner["knobs"][name]:
+                continue
+            # The flip has to beat the fastest point timed both before and after it, so a
+            # drift of the clocks between timings does not make a flip that changes
+            # nothing look faster.
+            flipped = measure(f"{label}, {name}={value}", {**winner["knobs"], name: value})
+            again = measure(f"{label} (again)", winner["knobs"]) or winner
+            if flipped is not None and flipped["measured_ms"] < min(winner["measured_ms"], again["measured_ms"]):
+                winner, label = flipped, flipped["label"]
+            else:
+                winner = again
+    _progress(total, total, "done", winner["measured_ms"])
+    print()
+
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in results]
+    entry = {"knobs": winner["knobs"], "measured_ms": winner["measured_ms"], "predicted_ms": winner["predicted_ms"]}
+    (cache or TuneCache()).store(spec.name, ep_size, shape, tokens, entry)
+    return {"best": winner, "results": results,
+            "median_error": statistics.median(errors), "worst_error": max(errors)}
+
+
+def _layer_timer(shape: MoEShape, tokens: int, score_func: str, score_before_experts: bool):
+    """``timer(knobs)`` for ``tune``: a bf16 layer of ``shape`` on this GPU, one input of
+    ``tokens`` tokens, the layer's config replaced by ``knobs`` before each timing."""
     torch.manual_seed(0)
     layer = UniEPMoE(shape.dim, shape.hidden, shape.experts, shape.top_k, score_func=score_func,
                      score_before_experts=score_before_experts, load_balance_coeff=None).cuda()
@@ -90,40 +169,8 @@ def tune(
     x = torch.randn(1, tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
 
-    default = {k: getattr(UniEPConfig(), k) for k in KNOBS}
-    # predictions for every feasible point from one evaluation of the model, best first
-    ranked = rank(shape, tokens, spec, top=len(full_space()), ep_size=ep_size)
-    all_ranked = {tuple(k.items()): t for k, t in ranked}
-    candidates = [knobs for knobs, _ in ranked[:top]]
-    if default not in candidates:
-        candidates.append(default)
-    nearby = sorted(neighbors(default, spec), key=lambda k: all_ranked.get(tuple(k.items()), float("inf")))
-    candidates += [k for k in nearby if k not in candidates][:local_search]
-
-    results, best = [], float("inf")
-    for i, knobs in enumerate(candidates):
-        changed = [f"{k}={v}" for k, v in knobs.items() if v != default[k]]
-        label = "default" if not changed else (
-            f"default with {changed[0]}" if len(changed) == 1 and i >= top else f"predicted #{i + 1}"
-        )
-        _progress(i, len(candidates), label, best)
+    def timer(knobs: dict) -> float:
         layer.config = dataclasses.replace(UniEPConfig(backend="triton"), **knobs)
-        try:
-            measured = time_layer(layer, x, grad)
-        except Exception as e:  # a point the model thought feasible that does not compile or fit
-            print(f"\n  {label}: skipped ({type(e).__name__}: {str(e)[:120]})")
-            continue
-        predicted = all_ranked.get(tuple(knobs.items()), float("nan")) * 1e3
-        results.append({"knobs": knobs, "label": label, "predicted_ms": predicted, "measured_ms": measured})
-        best = min(best, measured)
-        if on_result is not None:
-            on_result(results)
-    _progress(len(candidates), len(candidates), "done", best)
-    print()
+        return time_layer(layer, x, grad)
 
-    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in results]
-    winner = min(results, key=lambda r: r["measured_ms"])
-    entry = {"knobs": winner["knobs"], "measured_ms": winner["measured_ms"], "predicted_ms": winner["predicted_ms"]}
-    (cache or TuneCache()).store(spec.name, ep_size, shape, tokens, entry)
-    return {"best": winner, "results": results,
-            "median_error": statistics.median(errors), "worst_error": max(errors)}
+    return timer

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from uniep.config import UniEPConfig
 from uniep.kernels.grouped_gemm import shared_memory_bytes
 
 # knob -> candidate values; the product is the space
@@ -41,6 +42,24 @@ TRANSPORT_CHOICES: dict[str, tuple] = {
     "megakernel_tokens_per_task": (4, 8, 16, 32, 64),
     "megakernel_relay_dedup": (True, False),
 }
+
+# Switches that keep the bits and that the cost model does not rank (what they change
+# is occupancy and how tiles leave through the copy engine, which a roofline does not
+# see): ``scripts/tune.py`` measures each one flipped on its fastest point and keeps a
+# flip that is faster. On an H100, ``wgrad_descriptor_stores`` ran the DeepSeek-V3-671B
+# slice faster and the Qwen3-30B-A3B shapes slower (benchmarks/RESULTS.md).
+SWITCHES: dict[str, tuple] = {
+    "wgrad_descriptor_stores": (False, True),
+    "descriptor_stores": (False, True),
+    "gemm_half_tiles": (False, True),
+}
+
+
+def default_switches() -> dict:
+    """Each switch at its ``UniEPConfig`` default."""
+    default = UniEPConfig()
+    return {name: getattr(default, name) for name in SWITCHES}
+
 
 # Accumulator registers per thread above which a tile spills (fp32, of 255 per thread).
 MAX_ACC_REGS_PER_THREAD = 128
@@ -96,6 +115,9 @@ def describe() -> str:
         lines.append(f"  {k:26s} {', '.join(map(str, vals))}")
     size = len(full_space())
     lines.append(f"size: {size} points (before the device's shared-memory and register limits)")
+    lines.append("measured switches (the cost model does not rank them; tune.py flips each on its best point):")
+    for k, vals in SWITCHES.items():
+        lines.append(f"  {k:26s} {', '.join(map(str, vals))}")
     lines.append("expert-parallel knobs (EP > 1; chosen by measurement, none changes bits):")
     transport_size = 1 + int(np.prod([len(v) for k, v in TRANSPORT_CHOICES.items() if k != "transport"]))
     for k, vals in TRANSPORT_CHOICES.items():
