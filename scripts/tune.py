@@ -7,7 +7,8 @@
 Ranks the whole schedule space with the cost model, measures the best ``--top``
 predictions, the default config and its best-predicted one-knob neighbours (forward+backward, median of CUDA-event timings),
 then flips each switch the model does not rank (``uniep.tune.space.SWITCHES``) on the
-fastest point, keeping a flip faster than that point timed before and after it; writes
+fastest point, keeping a flip 1% faster than that point timed before and after it in
+each of 3 rounds; writes
 the fastest into the tuning cache (keyed by device, EP degree, shape and
 4096-token bucket) and prints the cost model's error against the measurements.
 """

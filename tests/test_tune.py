@@ -179,9 +179,11 @@ def test_tuning_keeps_a_switch_that_measures_faster(tmp_path):
 
     timer, calls = _fake_timer({"wgrad_descriptor_stores": 1.0})
     report, entry = _tune(tmp_path, timer)
-    # the candidates with every switch at its default, then one flip and one re-timing per switch
-    assert all(not calls[i][name] for i in range(len(calls) - 2 * len(SWITCHES)) for name in SWITCHES)
-    assert len(report["results"]) == len(calls) == 4 + 2 * len(SWITCHES)  # 2 predicted, default, 1 neighbour
+    # the candidates (2 predicted, the default, 1 neighbour) with every switch at its
+    # default; then per switch rounds of (flip, re-timing): 3 for the one kept, 1 each
+    # for the others, which lose their first round
+    assert all(not calls[i][name] for i in range(4) for name in SWITCHES)
+    assert len(report["results"]) == len(calls) == 4 + 2 * 3 + 2 + 2
     assert entry["knobs"]["wgrad_descriptor_stores"] is True and entry["measured_ms"] == pytest.approx(9.0)
     assert not entry["knobs"]["descriptor_stores"] and not entry["knobs"]["gemm_half_tiles"]
     assert report["best"]["label"].endswith(", wgrad_descriptor_stores=True (again)")
@@ -197,6 +199,31 @@ def test_tuning_drops_a_switch_that_does_not_measure_faster(tmp_path, drift_ms):
     timer, _ = _fake_timer(gains, drift_ms)
     _, entry = _tune(tmp_path, timer)
     assert not any(entry["knobs"][name] for name in ("wgrad_descriptor_stores", "descriptor_stores", "gemm_half_tiles"))
+
+
+def test_tuning_drops_a_switch_that_measured_faster_once(tmp_path, monkeypatch):
+    """The timings an H100 gave tune.py at Qwen3-30B-A3B's 16384 tokens (benchmarks/
+    RESULTS.md): gemm_half_tiles, which does not change these kernels' speed there,
+    once measured 3% faster than the point timed before and after it. One round keeps
+    it (the control); the default rounds do not."""
+    from uniep.tune import measure
+
+    first_round = [8.62, 8.93, 8.70, 8.75,  # candidates
+                   8.815, 8.723, 8.939, 8.904, 8.641, 8.879]  # (flip, again) per switch
+    later = [8.90, 8.88]
+
+    def timer(knobs, timings=iter(first_round + later * 3)):
+        return next(timings)
+
+    _, entry = _tune(tmp_path, timer)
+    assert not entry["knobs"]["gemm_half_tiles"]
+    monkeypatch.setattr(measure, "SWITCH_ROUNDS", 1)
+
+    def timer(knobs, timings=iter(first_round)):
+        return next(timings)
+
+    _, entry = _tune(tmp_path, timer)
+    assert entry["knobs"]["gemm_half_tiles"]
 
 
 def test_tuning_candidates_are_labelled_and_fit_the_device():
