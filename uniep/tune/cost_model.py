@@ -61,7 +61,8 @@ class Calibration:
 # scripts/fit_cost_model.py): median error 4.6% (19.2% with the hand-set constants);
 # 6.8% when each setting is predicted by a fit that has not seen it. Those points predate
 # kernels 20-30% faster: the model now predicts about 1.3-1.5x today's measured times
-# (H200 and H100; benchmarks/RESULTS.md, twenty-seventh session), so only its ranking holds.
+# (H200 and H100; benchmarks/RESULTS.md, twenty-seventh session); its best point measured
+# faster than the defaults at two of four settings there, slower at the other two.
 DEFAULT_CALIBRATION = Calibration(
     epilogue_steps=9.39, latency_k=139.9, step_overhead_k=13.67, full_rate_area=34048.0,
     shape_exponent=0.0528, block_k_exponent=0.0, rate_fraction=0.851, per_token_s=6.8e-11,
