@@ -97,18 +97,25 @@ def main() -> None:
 
     report = tune(shape, tokens, spec, top=args.top, ep_size=ep, score_func=score_func,
                   score_before_experts=score_before, local_search=args.local_search, on_result=save)
-    print("\n| candidate | predicted ms | measured ms |\n|---|---|---|")
+    print(summary(report, shape, tokens))
+
+
+def summary(report: dict, shape, tokens: int) -> str:
+    """The measured points as a table, fastest first, then the best against the default."""
+    lines = ["", "| candidate | predicted ms | measured ms |", "|---|---|---|"]
     for r in sorted(report["results"], key=lambda r: r["measured_ms"]):
-        print(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")
+        lines.append(f"| {r['label']} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} |")
+    lines.append("")
     best, default_ms = report["best"], report["default_ms"]
     if best["label"] == "default":
-        print(f"\nthe default is the fastest point measured: {best['measured_ms']:.3f} ms (median of its timings)")
+        lines.append(f"the default is the fastest point measured: {best['measured_ms']:.3f} ms (median of its timings)")
     elif default_ms is not None:
-        print(f"\nbest {best['measured_ms']:.3f} ms ({best['label']}) vs default {default_ms:.3f} ms "
-              f"(medians of their timings): {default_ms / best['measured_ms']:.2f}x")
-    print(f"cost-model error vs measured: median {report['median_error']:.1%}, worst {report['worst_error']:.1%}")
-    print(f"cached for {shape.key()}, {tokens} tokens: {best['knobs']}")
-
+        lines.append(f"best {best['measured_ms']:.3f} ms ({best['label']}) vs default {default_ms:.3f} ms "
+                     f"(medians of their timings): {default_ms / best['measured_ms']:.2f}x")
+    lines.append(f"cost-model error vs measured: median {report['median_error']:.1%}, "
+                 f"worst {report['worst_error']:.1%}")
+    lines.append(f"cached for {shape.key()}, {tokens} tokens: {best['knobs']}")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -127,15 +127,19 @@ def test_neighbours_change_one_knob_and_fit_the_device():
     assert not any(p["gemm_num_stages"] == 5 for p in found)
 
 
-def _fit_script():
+def _script(name: str):
     import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    spec_ = importlib.util.spec_from_file_location("fit_cost_model", root / "scripts" / "fit_cost_model.py")
-    fit = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(fit)
-    return fit, root
+    spec_ = importlib.util.spec_from_file_location(name, root / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module, root
+
+
+def _fit_script():
+    return _script("fit_cost_model")
 
 
 def test_cost_model_error_on_the_measured_h200_points():
@@ -188,6 +192,9 @@ def test_tuning_keeps_a_switch_that_measures_faster(tmp_path):
     assert not entry["knobs"]["descriptor_stores"] and not entry["knobs"]["gemm_half_tiles"]
     assert report["best"]["label"] == "predicted #1, wgrad_descriptor_stores=True"
     assert report["default_ms"] == 10.0
+    text = _script("tune")[0].summary(report, QWEN3, 16384)
+    assert "best 9.000 ms (predicted #1, wgrad_descriptor_stores=True) vs default 10.000 ms" in text
+    assert "): 1.11x" in text and "'wgrad_descriptor_stores': True" in text
     measured, source = resolve(UniEPConfig(config="auto"), QWEN3, 16384, SPEC, cache=TuneCache(tmp_path / "tune.json"))
     assert source == "measured" and measured.wgrad_descriptor_stores
 
@@ -218,6 +225,8 @@ def test_tuning_drops_a_switch_that_measured_faster_once(tmp_path, monkeypatch):
 
     report, entry = _tune(tmp_path, timer)
     assert not entry["knobs"]["gemm_half_tiles"]
+    text = _script("tune")[0].summary(report, QWEN3, 16384)
+    assert "best 8.879 ms (predicted #1) vs default" in text
     # the winner (predicted #1) timed 8.62, then again 8.723, 8.904, 8.879, 8.88: its median
     assert report["best"]["label"] == "predicted #1" and entry["measured_ms"] == pytest.approx(8.879)
     monkeypatch.setattr(measure, "SWITCH_ROUNDS", 1)
@@ -265,3 +274,11 @@ def test_the_fit_leaves_out_points_with_a_switch_flipped(tmp_path):
     assert (shape, tokens, spec) == (QWEN3, 16384, SPEC)
     assert measured.tolist() == [0.010, 0.011] and len(space) == 2
     assert "wgrad_descriptor_stores    False, True" in describe()
+
+
+def test_tuning_summary_when_the_default_is_fastest(tmp_path):
+    default = {k: getattr(UniEPConfig(), k) for k in CHOICES}
+    report, entry = _tune(tmp_path, lambda knobs: 9.0 if {k: knobs[k] for k in CHOICES} == default else 10.0)
+    assert report["best"]["label"] == "default" and entry["measured_ms"] == 9.0
+    text = _script("tune")[0].summary(report, QWEN3, 16384)
+    assert "the default is the fastest point measured: 9.000 ms" in text and "vs default" not in text
