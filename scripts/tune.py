@@ -8,9 +8,8 @@ Ranks the whole schedule space with the cost model, measures the best ``--top``
 predictions, the default config and its best-predicted one-knob neighbours (forward+backward, median of CUDA-event timings),
 then flips each switch the model does not rank (``uniep.tune.space.SWITCHES``) on the
 fastest point, keeping a flip 1% faster than that point timed before and after it in
-each of 3 rounds; writes
-the fastest into the tuning cache (keyed by device, EP degree, shape and
-4096-token bucket) and prints the cost model's error against the measurements.
+each of 3 rounds; writes the fastest into the tuning cache (keyed by device, EP degree,
+shape and 4096-token bucket) and prints the cost model's error against the measurements.
 """
 
 import argparse
@@ -116,6 +115,7 @@ def summary(report: dict, shape, tokens: int) -> str:
                  f"worst {report['worst_error']:.1%}")
     lines.append(f"cached for {shape.key()}, {tokens} tokens: {best['knobs']}")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ TRANSPORT_CHOICES: dict[str, tuple] = {
 # Switches that keep the bits and that the cost model does not rank (what they change
 # is occupancy and how tiles leave through the copy engine, which a roofline does not
 # see): ``scripts/tune.py`` measures each one flipped on its fastest point and keeps a
-# flip that is faster. On an H100, ``wgrad_descriptor_stores`` ran the DeepSeek-V3-671B
+# flip that measures faster (``uniep.tune.measure.SWITCH_MARGIN``). On an H100, ``wgrad_descriptor_stores`` ran the DeepSeek-V3-671B
 # slice faster and the Qwen3-30B-A3B shapes slower (benchmarks/RESULTS.md).
 SWITCHES: dict[str, tuple] = {
     "wgrad_descriptor_stores": (False, True),
