@@ -138,10 +138,6 @@ def _script(name: str):
     return module, root
 
 
-def _fit_script():
-    return _script("fit_cost_model")
-
-
 def test_cost_model_error_on_the_measured_h200_points():
     """The shipped constants against the committed H200 measurements (65 points, five
     shape/token settings): median error under 10%, and every setting's under 10%."""
@@ -149,7 +145,7 @@ def test_cost_model_error_on_the_measured_h200_points():
 
     from uniep.tune.cost_model import DEFAULT_CALIBRATION
 
-    fit, root = _fit_script()
+    fit, root = _script("fit_cost_model")
 
     settings, device = fit.load(str(root / "benchmarks" / "tune"))
     assert len(settings) == 5 and device.name == "NVIDIA H200"
@@ -263,7 +259,7 @@ def test_the_fit_leaves_out_points_with_a_switch_flipped(tmp_path):
 
     from uniep.tune.space import default_switches
 
-    fit, _ = _fit_script()
+    fit, _ = _script("fit_cost_model")
     (tmp_path / "device-test-gpu.json").write_text(json.dumps(dataclasses.asdict(SPEC)))
     knobs = {k: getattr(UniEPConfig(), k) for k in CHOICES}
     results = [{"knobs": {**knobs, **default_switches()}, "measured_ms": 10.0},

@@ -153,7 +153,7 @@ def tune(
             # Rounds of (flip, the fastest point again): the flip has to beat that point
             # timed before and after it in every round, so a drift of the clocks or one
             # lucky timing does not make a flip that changes nothing look faster.
-            flipped_knobs, before, faster = {**winner["knobs"], name: value}, winner, True
+            flipped_knobs, before = {**winner["knobs"], name: value}, winner
             for _ in range(SWITCH_ROUNDS):
                 flipped = measure(f"{label}, {name}={value}", flipped_knobs)
                 again = measure(f"{label} (again)", winner["knobs"]) or before
