@@ -65,9 +65,7 @@ def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def expert_order(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts_E, order_P)``: pairs routed to each expert, and the pair ids ``t*K + k``
-    stably sorted by expert (the plan's send order), from one sort. Where the experts run
-    on Triton the layer takes the same bits from ``kernels.expert_order`` (two launches
-    instead of a dozen, and fewer host ops)."""
+    stably sorted by expert (the plan's send order), from one sort."""
     expert_P, order_P = sort_keys(topk_idx_TK, num_experts).sort(stable=True)
     return counts_in_sorted(expert_P, num_experts), order_P
 
