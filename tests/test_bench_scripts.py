@@ -346,3 +346,46 @@ def test_bench_gemm_sustained_rows_and_their_dense_references(monkeypatch):
             assert row["gflop_per_joule"] is None and "dense_sustained_ms" not in row
         else:
             assert row["gflop_per_joule"] == fl[row["launch"]] / 0.5 / 1e9 == row["dense_gflop_per_joule"]
+
+
+def _ab_row(shape, tree, sync, b2b, bits):
+    rounds = [dict(synchronized_ms=sync, back_to_back_ms=b2b, host_issue_ms=1.0, bits=bits)]
+    return dict(shape=shape, tree=tree, synchronized_ms=sync, back_to_back_ms=b2b, host_issue_ms=1.0,
+                rounds=rounds, bits=bits)
+
+
+def test_ab_trees_table_gives_the_second_tree_over_the_first():
+    import ab_trees
+
+    same, other = {"out": "a", "grad x": "b"}, {"out": "a", "grad x": "c"}
+    text = ab_trees.table([_ab_row("qwen3", "old", 10.0, 8.0, same), _ab_row("qwen3", "new", 9.0, 8.8, same),
+                           _ab_row("tiny", "old", 2.0, 2.0, same), _ab_row("tiny", "new", 2.0, 2.0, other)])
+    assert "qwen3: new / old: synchronized 0.900, back to back 1.100; the same bits" in text
+    assert "tiny: new / old: synchronized 1.000, back to back 1.000; other bits" in text  # one digest differs
+
+
+def test_ab_trees_runs_each_tree_in_its_own_process_on_cpu(tmp_path):
+    """Two trees (this one, and a copy whose router scales every score by 0.98) at the
+    tiny shape, in the Triton interpreter: each process imports its own tree (the
+    planted change gives other bits), and every time is measured. Negative control: a
+    folder without uniep is refused before any run."""
+    import shutil
+
+    planted = tmp_path / "planted"
+    for part in ("uniep", "scripts"):
+        shutil.copytree(ROOT / part, planted / part, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(planted / "uniep" / "__init__.py", "a") as f:
+        f.write("\nfrom uniep.router import TopKRouter as _Router\n_forward = _Router.forward\n"
+                "_Router.forward = lambda self, *a, **k: (lambda s, i: (s * 0.98, i))(*_forward(self, *a, **k))\n")
+    script, rows = str(ROOT / "scripts" / "ab_trees.py"), tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, script, str(ROOT), str(planted), "--device", "cpu", "--shapes", "tiny",
+                          "--rounds", "1", "--calls", "1", "--warmup", "0", "--json", str(rows)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "other bits" in out.stdout
+    got = json.loads(rows.read_text())
+    assert [row["tree"] for row in got] == [str(ROOT), str(planted)]
+    assert all(row["synchronized_ms"] > 0 and row["back_to_back_ms"] > 0 for row in got)
+    refused = subprocess.run([sys.executable, script, str(ROOT), str(tmp_path), "--device", "cpu", "--shapes", "tiny"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "lacks uniep/__init__.py" in refused.stderr
