@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from uniep.config import UniEPConfig
 from uniep.experts import FeedForward, GroupedExperts, Routing
+from uniep.kernels.expert_order import expert_order_on_triton
 from uniep.paths import ExpertPath, build_expert_path, on_triton, runs_triton
 from uniep.plan import expert_order
 from uniep.routed_op import register_path, registered_path
@@ -134,6 +135,7 @@ class UniEPMoE(nn.Module):
         # routed experts do
         self._on_triton = on_triton(config, key[-1]) and runs_triton(key[-1])
         self.router.fused = self._on_triton
+        self._expert_order = expert_order_on_triton if self._on_triton else expert_order
         side = config.shared_experts_stream and self._on_triton and key[-1] == "cuda"
         self._shared = (FusedSharedExperts(CUDA_SIDE_STREAM if side else ONE_STREAM, router_logits=not side)
                         if self._on_triton else MODULE_SHARED_EXPERTS)
@@ -276,7 +278,9 @@ class UniEPMoE(nn.Module):
             gate = self.router.gate if self.router.fused else None
             x_TD, pending, logits_TE = shared.start(self.shared_experts, x_TD, gate)
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx, logits_TE)
-        counts_E, order_P = expert_order(topk_idx_TK, self.num_experts)
+        # (traced under torch.compile, which sees no Triton launch of ours outside a custom op)
+        order_of = expert_order if torch.compiler.is_compiling() else self._expert_order
+        counts_E, order_P = order_of(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)
 

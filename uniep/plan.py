@@ -65,7 +65,9 @@ def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def expert_order(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts_E, order_P)``: pairs routed to each expert, and the pair ids ``t*K + k``
-    stably sorted by expert (the plan's send order), from one sort."""
+    stably sorted by expert (the plan's send order), from one sort. Where the experts run
+    on Triton the layer takes the same bits from ``kernels.expert_order`` up to its
+    ``MAX_PAIRS`` pairs (one launch instead of four host ops)."""
     expert_P, order_P = sort_keys(topk_idx_TK, num_experts).sort(stable=True)
     return counts_in_sorted(expert_P, num_experts), order_P
 

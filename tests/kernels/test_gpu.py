@@ -373,3 +373,14 @@ def test_megakernel_peer_that_never_launches_gives_an_error_not_a_hang(tmp_path)
     outcome = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
     assert "timed out" in outcome[0].get("wait_error", ""), outcome
     assert outcome[0]["seconds"] < 60, outcome
+
+
+@pytest.mark.parametrize("T, K, E", [(16384, 8, 128), (16384, 6, 64), (8192, 8, 256), (4097, 2, 8)])
+def test_expert_order_launch_on_gpu(T, K, E):
+    """The one-launch expert order has the PyTorch sort's bits at the models' sizes."""
+    from uniep.kernels.expert_order import expert_order_triton
+    from uniep.plan import expert_order
+
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    got, ref = expert_order_triton(idx, E), expert_order(idx, E)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -1,5 +1,5 @@
-"""The GEMM, router and SwiGLU-backward kernels compile for Hopper (sm_90) on this CPU machine: Triton's compiler and
-its bundled ptxas, no GPU. The interpreter runs the kernels' Python; only the compiler
+"""The GEMM, router, expert-order and SwiGLU-backward kernels compile for Hopper (sm_90) on this CPU machine:
+Triton's compiler and its bundled ptxas, no GPU. The interpreter runs the kernels' Python; only the compiler
 sees what it rejects (a variable a constexpr branch leaves undefined, a descriptor of
 the wrong rank, a shared-memory overflow), and without this test such an error shows
 only on a GPU.
@@ -40,6 +40,7 @@ WGRAD = "wgrad"
 ROUTER = "router_select"
 ROUTER_BWD = "router_select_backward"
 SWIGLU_BWD = "swiglu_backward"
+EXPERT_ORDER = "expert_order"
 CASES = {
     "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
     "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
@@ -64,6 +65,7 @@ CASES = {
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
     "router choice backward": (ROUTER_BWD, dict()),
+    "expert order (the plan's counting sort)": (EXPERT_ORDER, dict()),
     "SwiGLU backward, in place (routed experts)": (SWIGLU_BWD, dict()),
     "SwiGLU backward, into a stacked buffer (shared experts)": (SWIGLU_BWD, dict(STRIDED_OUT=True)),
     # float32 (the debug configs) at the default tiles fitted for IEEE dots: the operands
@@ -87,7 +89,7 @@ def compile_sm90(name: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from uniep.kernels import grouped_gemm, router_select, swiglu, wgrad
+    from uniep.kernels import expert_order, grouped_gemm, router_select, swiglu, wgrad
 
     kind, changes = CASES[name]
     changes = dict(changes)
@@ -105,6 +107,10 @@ def compile_sm90(name: str) -> dict:
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
                          B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, NUM_PROGRAMS=132,
                          BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
+    elif kind == EXPERT_ORDER:
+        kernel = expert_order._expert_order_kernel
+        types = dict(ids_ptr="*i64", counts_ptr="*i64", order_ptr="*i64", num_pairs="i32", num_experts="i32")
+        constants = dict(BLOCK=expert_order._BLOCK)
     elif kind == SWIGLU_BWD:
         kernel = swiglu._swiglu_backward_kernel
         types = dict.fromkeys(("g_ptr", "a1_ptr", "a3_ptr", "d_a1_ptr", "d_a3_ptr"), "*bf16")
