@@ -280,43 +280,53 @@ def test_a_second_operand_of_another_shape_is_refused_before_launch():
 
 @pytest.mark.parametrize("halves", [1, 2])
 @pytest.mark.parametrize("run", [1, 3])
-def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_wgrad_expert_runs_give_the_bits_of_round_robin_tiles(halves, run, scaled):
     """Runs of consecutive tiles of one expert per program, both operands read through
     descriptors ending at the expert's last row (the partial last chunk in the pipelined
     loop): the bits of tiles dealt round-robin with the last chunk after the loop, at
-    experts with partial chunks, an empty one, a last one; an expert's gradient ignores
-    the next expert's rows (changing them, even to NaN, leaves it as it was) but not its
-    own (control)."""
+    experts with partial chunks, an empty one (also the first, whose descriptor would end
+    at row 0), a last one; also with both operands scaled and the second gathered (pointer
+    loads in the loop). An expert's gradient ignores the next expert's rows (changing them,
+    even to NaN, leaves it as it was) but not its own (control)."""
     import dataclasses
 
     gen = torch.Generator().manual_seed(6)
-    counts = torch.tensor([5, 32, 0, 33, 17, 47])  # last chunks of 5, 16, -, 1, 1, 15 rows (block_k 16)
+    counts = torch.tensor([0, 5, 32, 0, 33, 17, 47])  # last chunks of -, 5, 16, -, 1, 1, 15 rows (block_k 16)
     E, P = counts.numel(), int(counts.sum())
     a, a2 = torch.randn(P, 40, generator=gen), torch.randn(P, 40, generator=gen)
     b = torch.randn(P, 24, generator=gen)
     offsets = row_tiles(counts, 16, P).expert_offsets
     round_robin = dataclasses.replace(TILES, descriptors=True, expert_run=0)
     runs = dataclasses.replace(round_robin, expert_run=run)
+    extra = {}
+    if scaled:
+        extra = dict(a_scale=torch.rand(P, generator=gen) + 0.5, b_scale=torch.rand(P, generator=gen) + 0.5,
+                     b_row=torch.randperm(P, generator=gen).to(torch.int32))
 
     def launch(tiles, a, a2, b):
-        out = grouped_wgrad(a, b, offsets, E, tiles=tiles, out_dtype=torch.float32, a2=a2 if halves == 2 else None)
+        out = grouped_wgrad(a, b, offsets, E, tiles=tiles, out_dtype=torch.float32, a2=a2 if halves == 2 else None,
+                            **extra)
         return out if halves == 2 else (out,)
 
     expected, got = launch(round_robin, a, a2, b), launch(runs, a, a2, b)
     assert [torch.equal(x, y) for x, y in zip(expected, got)] == [True] * halves
-    torch.testing.assert_close(got[0], grouped_wgrad_reference(a, b, counts.tolist()), **TOL[torch.float32])
-    assert torch.count_nonzero(got[0][2]) == 0  # the empty expert
-    # expert 0 (rows 0..4): rows 5.. belong to expert 1; every operand there changed
+    torch.testing.assert_close(got[0], grouped_wgrad_reference(a, b, counts.tolist(), **extra), **TOL[torch.float32])
+    assert torch.count_nonzero(got[0][0]) == 0 and torch.count_nonzero(got[0][3]) == 0  # the empty experts
+    if scaled:
+        return
+    # expert 1 (rows 0..4): rows 5.. belong to expert 2; every operand there changed
     a_next, a2_next, b_next = (t.clone() for t in (a, a2, b))
     for t in (a_next, a2_next, b_next):
         t[5:16] += 100.0
-    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][0], got[0][0])
+    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][1], got[0][1])
     for t in (a_next, a2_next, b_next):  # not even non-finite ones (NaN propagates per expert)
         t[5:16] = float("nan")
-    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][0], got[0][0])
+    assert torch.equal(launch(runs, a_next, a2_next, b_next)[0][1], got[0][1])
+    assert torch.count_nonzero(launch(runs, a_next, a2_next, b_next)[0][0]) == 0  # nor the empty one before
     b_own = b.clone()
     b_own[4] += 1.0
-    assert not torch.equal(launch(runs, a, a2, b_own)[0][0], got[0][0])
+    assert not torch.equal(launch(runs, a, a2, b_own)[0][1], got[0][1])
 
 
 def test_wgrad_expert_runs_by_rows_per_expert():
