@@ -20,8 +20,11 @@ built by ``bench_moe.py``): after warm-up,
    (``cudaStreamSynchronize``, blocking copies, ...) with their duration; for each large gap
    also how long the host ran since it issued the previous device operation and the slow host API
    calls in that time (``cudaMalloc``, a launch that blocked, a module load), and over the
-   whole trace the host API calls that took at least ``SLOW_HOST_CALL_US``. ``--list``
-   prints every device operation of the last call: start, duration, idle before it.
+   whole trace the host API calls that took at least ``SLOW_HOST_CALL_US``; the device time
+   per call by kind (``KINDS``: the routed experts' grouped GEMMs, UniEP's or the CUTLASS
+   ones TorchTitan's MoE runs; other GEMMs; the rest), which says whether a layer's lead
+   is in its expert GEMMs or around them. ``--list`` prints every device operation of the
+   last call: start, duration, idle before it.
 
 Nothing here times a layer for a result (``bench_moe.py`` does). With ``--stacks`` the
 profiler's host cost makes the host slower than it is, so gaps the host causes grow;
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import traceback
@@ -49,6 +53,13 @@ LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 BLOCKING_PRINTED = 10
 GAP_BUCKETS_US = (2, 5, 10, 50, 200)
 SLOW_HOST_CALL_US = 50
+# Device operations by kind, the first pattern that matches a kernel's name: the routed
+# experts' grouped GEMMs (UniEP's Triton launches; ``torch._grouped_mm``'s CUTLASS kernels,
+# which TorchTitan's MoE runs them on), the other GEMMs (cuBLAS: router, shared experts,
+# TorchTitan's fp32 ones), the rest (copies, gathers, combines, elementwise, sorts).
+KINDS = (("expert GEMMs", re.compile(r"_grouped_(gemm|wgrad)_kernel|^_ZN7cutlass13device_kernel")),
+         ("other GEMMs", re.compile(r"nvjet|xmma|gemv|splitKreduce|^_ZN7cutlass|cublas", re.IGNORECASE)),
+         ("the rest", re.compile("")))
 
 
 def _blocking(name: str) -> bool:
@@ -85,6 +96,20 @@ def _host_before(launch: dict, api_calls: list[dict], issuing: set) -> tuple[flo
     slow = [f"{e['name']} {e['dur']:.0f} us (thread {e.get('tid')})" for e in api_calls
             if since <= e["ts"] <= launch["ts"] and e["dur"] >= SLOW_HOST_CALL_US]
     return launch["ts"] - since, slow
+
+
+def kind_of(name: str) -> str:
+    """The ``KINDS`` entry a device operation's name falls in."""
+    return next(kind for kind, pattern in KINDS if pattern.search(name))
+
+
+def device_us_by_kind(ops: list[dict]) -> dict[str, tuple[float, int]]:
+    """(device microseconds, operations) of each kind, in ``KINDS`` order."""
+    totals = {kind: (0.0, 0) for kind, _ in KINDS}
+    for op in ops:
+        us, count = totals[kind_of(op["name"])]
+        totals[kind_of(op["name"])] = (us + op["dur_us"], count + 1)
+    return totals
 
 
 def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
@@ -132,10 +157,11 @@ def analyze_trace(trace: dict, top: int = 8, depth: int = 3) -> dict:
         if e["dur"] >= SLOW_HOST_CALL_US:
             slow_calls[str(e["name"])].append(e["dur"])
     slow = sorted(((n, len(d), sum(d), max(d)) for n, d in slow_calls.items()), key=lambda x: -x[2])
+    ops = [dict(name=e["name"], start_us=e["ts"] - start, dur_us=e["dur"]) for e in device]
     return dict(span_us=stop - start, busy_us=busy, idle_us=stop - start - busy, gaps=gaps[:top],
                 gap_count=len(gaps), gap_buckets=buckets, blocking=blocking, device_ops=len(device),
                 slow_host_calls=[dict(name=n, count=c, total_us=t, max_us=m) for n, c, t, m in slow],
-                ops=[dict(name=e["name"], start_us=e["ts"] - start, dur_us=e["dur"]) for e in device])
+                ops=ops, by_kind=device_us_by_kind(ops))
 
 
 def print_analysis(name: str, a: dict, calls: int) -> None:
@@ -145,6 +171,9 @@ def print_analysis(name: str, a: dict, calls: int) -> None:
     print("  idle gaps by size: " + ", ".join(
         f"<= {b['up_to_us']:g} us: {b['count'] / calls:.0f} ({b['idle_us'] / calls / 1e3:.3f} ms)"
         for b in a["gap_buckets"]) + " per call")
+    print("  device time by kind: " + ", ".join(
+        f"{kind} {us / calls / 1e3:.3f} ms ({count / calls:.0f} ops)" for kind, (us, count) in a["by_kind"].items())
+        + " per call")
     for g in a["gaps"]:
         lead = "?" if g["launch_lead_us"] is None else f"{g['launch_lead_us']:.0f}"
         print(f"  idle {g['idle_us']:8.1f} us  {g['before'][:50]} -> {g['after'][:50]}  (issued {lead} us before "

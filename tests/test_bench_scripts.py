@@ -261,6 +261,37 @@ def test_device_gaps_finds_the_idle_gap_its_issuer_and_the_blocking_call():
     assert (a["idle_us"], a["gap_count"], a["gaps"], a["blocking"]) == (0, 0, [], [])
 
 
+def test_device_gaps_sums_device_time_by_kind(capsys):
+    """UniEP's and TorchTitan's (CUTLASS) grouped GEMMs count as the experts' GEMMs,
+    cuBLAS kernels as other GEMMs, and the rest as the rest: TorchTitan's helper that
+    prepares its grouped GEMM's arguments names CUTLASS types but is not a GEMM (control),
+    nor is a Triton kernel whose name merely contains "gemm". Printed per call."""
+    from device_gaps import analyze_trace, kind_of, print_analysis
+
+    names = {
+        "_grouped_gemm_kernel": "expert GEMMs",
+        "_grouped_wgrad_kernel": "expert GEMMs",
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9x": "expert GEMMs",
+        "nvjet_sm90_tst_64x64_64x13_2x1_v_bz_TNT": "other GEMMs",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_nt_n_tilesize32x64x8": "other GEMMs",
+        "void gemv2N_kernel<int, int, float, float, float, float, 128, 1, 2, 4, 1, false, cublasGemv": "other GEMMs",
+        "void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t, cutlass::bfloat16_t>": "the rest",
+        "_topk_combine_kernel": "the rest",
+        "triton_poi_fused_index_put_7": "the rest",
+        "_gemm_prologue_copy_kernel": "the rest",
+    }
+    assert {n: kind_of(n) for n in names} == names
+    kernels = [dict(cat="kernel", name="_grouped_gemm_kernel", ts=0, dur=50),
+               dict(cat="kernel", name="nvjet_sm90_tst", ts=50, dur=10),
+               dict(cat="kernel", name="_topk_combine_kernel", ts=60, dur=5),
+               dict(cat="kernel", name="_grouped_wgrad_kernel", ts=65, dur=30)]
+    a = analyze_trace(_trace(*kernels))
+    assert a["by_kind"] == {"expert GEMMs": (80, 2), "other GEMMs": (10, 1), "the rest": (5, 1)}
+    print_analysis("one call", a, calls=1)
+    assert ("device time by kind: expert GEMMs 0.080 ms (2 ops), other GEMMs 0.010 ms (1 ops), "
+            "the rest 0.005 ms (1 ops) per call") in capsys.readouterr().out
+
+
 class _FakeMeter:
     """An energy counter that grows 2000 mJ per call of the step it counts, and an SM
     clock that falls with each read."""
