@@ -107,8 +107,9 @@ def device_us_by_kind(ops: list[dict]) -> dict[str, tuple[float, int]]:
     """(device microseconds, operations) of each kind, in ``KINDS`` order."""
     totals = {kind: (0.0, 0) for kind, _ in KINDS}
     for op in ops:
-        us, count = totals[kind_of(op["name"])]
-        totals[kind_of(op["name"])] = (us + op["dur_us"], count + 1)
+        kind = kind_of(op["name"])
+        us, count = totals[kind]
+        totals[kind] = (us + op["dur_us"], count + 1)
     return totals
 
 
