@@ -1,7 +1,7 @@
 """Host time of a UniEP layer call, part by part: what the CPU spends issuing one
 forward+backward, to find what keeps the device waiting.
 
-    python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--device cuda]
+    python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--python 30] [--device cuda]
 
 For the timed calls, the layer's forward, its router, the routed-expert call (eager: the
 path itself, no custom op), the expert path, the expert autograd function and every
@@ -10,8 +10,13 @@ them (on CUDA the backward runs on the autograd engine's device thread, which pr
 of the main thread do not follow). Prints milliseconds per forward+backward, inclusive
 (a part contains the parts indented below it), then the host time to issue one call and
 the time until the device has finished it. Nothing inside the calls synchronizes; a
-part's time is host time only. ``--device cpu`` runs the Triton interpreter on a tiny
-shape (tests the script; CPU times say nothing about a GPU host).
+part's time is host time only. ``--python N``: then as many calls again under cProfile,
+the backward on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
+cProfile does not see autograd's device threads), and the ``N`` Python functions with
+the most self time: microseconds per call, self and inclusive, and calls per call (which
+functions to make cheaper; the profiler's own cost is in these times, not in the timers
+above). ``--device cpu`` runs the Triton interpreter on a tiny shape (tests the script;
+CPU times say nothing about a GPU host).
 """
 
 from __future__ import annotations
@@ -82,14 +87,38 @@ def instrument(timers: HostTimers, layer) -> list[tuple[str, int]]:
             ("layer backward (.backward())", 1), ("expert autograd backward", 2)]
 
 
+def python_profile(step, calls: int, top: int) -> list[tuple[str, float, float, float]]:
+    """(function, self us, inclusive us, calls) per call of ``step``, for the ``top``
+    functions with the most self time over ``calls`` calls under cProfile, the backward
+    on the calling thread."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        try:
+            for _ in range(calls):
+                step()
+        finally:
+            profiler.disable()
+    rows = []
+    for (file, line, name), (_, count, self_s, total_s, _) in pstats.Stats(profiler).stats.items():
+        where = name if file == "~" else f"{'/'.join(Path(file).parts[-2:])}:{line}({name})"
+        rows.append((where, self_s * 1e6 / calls, total_s * 1e6 / calls, count / calls))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3_4k", choices=list(SHAPES))
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--python", type=int, default=0, metavar="N",
+                        help="also profile as many calls under cProfile and print the N functions with the most self time")
     args = parser.parse_args()
-    if args.calls < 1:
-        sys.exit(f"--calls = {args.calls}: allowed values: 1 or more")
+    if args.calls < 1 or args.python < 0:
+        sys.exit(f"--calls = {args.calls}, --python = {args.python}: allowed values: calls 1 or more, python 0 or more")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("host_time.py: no CUDA GPU here (--device cpu runs the Triton interpreter on a tiny shape)")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -133,6 +162,13 @@ def main() -> None:
     for k in launches:
         print(f"    {k[7:]:<36s} {timers.calls[k] / args.calls:5.1f} calls {timers.ms[k] / args.calls:8.3f} ms")
     print(f"issue {issue_ms:.3f} ms per call (host), finished {finish_ms:.3f} ms per call (device done)")
+    if args.python:
+        rows = python_profile(step, args.calls, args.python)
+        sync()
+        print(f"Python functions by self time under cProfile, {args.calls} calls, backward on this thread "
+              "(us per call: self, inclusive; calls per call):")
+        for where, self_us, total_us, count in rows:
+            print(f"  {self_us:8.1f} {total_us:9.1f} {count:6.1f}  {where[:110]}")
 
 
 if __name__ == "__main__":

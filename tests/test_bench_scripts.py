@@ -223,6 +223,38 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     assert timers.calls["layer forward"] == 0
 
 
+def test_host_time_python_profile_per_call():
+    """``--python``'s profile: a function called twice per step counts 2 calls per call,
+    its inclusive time at least its self time; rows by self time, at most ``top`` of
+    them; a step's backward is profiled too (here a custom autograd function's)."""
+    import host_time
+
+    def marker():
+        return sum(range(2000))
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            marker()
+            return 2 * grad
+
+    def step():
+        marker()
+        Twice.apply(torch.ones(3, requires_grad=True)).sum().backward()
+
+    rows = host_time.python_profile(step, calls=3, top=1000)
+    by_name = {where: (self_us, total_us, count) for where, self_us, total_us, count in rows}
+    marker_row = next(v for k, v in by_name.items() if k.endswith("(marker)"))
+    assert marker_row[2] == 2.0 and marker_row[1] >= marker_row[0] >= 0
+    assert any(k.endswith("(backward)") and "test_bench_scripts" in k for k in by_name)
+    assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
+    assert len(host_time.python_profile(step, calls=1, top=2)) == 2
+
+
 def _trace(*events):
     return {"traceEvents": [dict(ph="X", **e) for e in events]}
 
