@@ -79,6 +79,10 @@ VARIANTS = {
     "wgrad_w4": dict(wgrad_num_warps=4),
     "wgrad_bm256_w8": dict(wgrad_block_m=256),
     "programs_264": dict(num_programs=264),
+    # one program per tile (not persistent): the hardware starts tiles in order as SMs
+    # free up, so the row tiles that share an expert's weight columns run at the same
+    # time however long earlier tiles took (a persistent program's tiles drift apart)
+    "program_per_tile": dict(num_programs=1 << 20),
     # two row-GEMM programs per SM: 3 stages of 128x128 tiles leave room for a second in
     # shared memory, so one's epilogue overlaps the other's loads
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),

@@ -71,6 +71,7 @@ SWEEP = {
     "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
     "one_stream": dict(shared_experts_stream=False),
+    "program_per_tile": dict(num_programs=1 << 20),  # one program per tile, not persistent
 }
 
 
