@@ -83,6 +83,10 @@ VARIANTS = {
     # free up, so the row tiles that share an expert's weight columns run at the same
     # time however long earlier tiles took (a persistent program's tiles drift apart)
     "program_per_tile": dict(num_programs=1 << 20),
+    # 256-row tiles (two warpgroups of 128 rows): each weight tile loaded once for 256 rows
+    # (an expert's rows at 4096 tokens), narrower columns to keep the accumulators in registers
+    "gemm_bm256": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64),
+    "gemm_bm256_half_tiles": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64, gemm_half_tiles=True),
     # two row-GEMM programs per SM: 3 stages of 128x128 tiles leave room for a second in
     # shared memory, so one's epilogue overlaps the other's loads
     "gemm_bn128_p264": dict(gemm_block_n=128, num_programs=264),

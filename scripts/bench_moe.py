@@ -72,6 +72,7 @@ SWEEP = {
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
     "one_stream": dict(shared_experts_stream=False),
     "program_per_tile": dict(num_programs=1 << 20),  # one program per tile, not persistent
+    "gemm_bm256": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64),  # 256-row tiles
 }
 
 
