@@ -66,8 +66,9 @@ VARIANTS = {
     "swiglu_bwd_fused": dict(swiglu_bwd_fused=True),
     "gather_in_kernel": dict(gather_in_kernel=True),
     "pointer_loads": dict(descriptor_loads=False),
-    "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
-    "gemm_stages5": dict(gemm_num_stages=5),
+    "gemm_stages4": dict(gemm_num_stages=4, gemm_few_rows_num_stages=0),  # the default before 3
+    "gemm_stages5": dict(gemm_num_stages=5, gemm_few_rows_num_stages=0),
+    "few_rows_stages_off": dict(gemm_few_rows_num_stages=0),  # gemm_num_stages at every row count
     "gemm_bn128": dict(gemm_block_n=128),
     "gemm_up_bn64": dict(gemm_up_block_n=64),
     "gemm_bk128_s2": dict(gemm_block_k=128, gemm_num_stages=2),
@@ -125,7 +126,7 @@ VARIANTS = {
 LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_down", "wgrad_up")
 # knobs whose change keeps the bits (schedule only): their variants are checked bitwise,
 # the others as close
-SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "wgrad_num_warps", "wgrad_num_stages",
+SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "gemm_few_rows_num_stages", "wgrad_num_warps", "wgrad_num_stages",
                   "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
                   "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_descriptor_stores"}
 ROUTINGS = ("random", "balanced")

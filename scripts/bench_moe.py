@@ -59,7 +59,8 @@ SWEEP = {
     "pointer_loads": dict(descriptor_loads=False),
     "gemm_bn128": dict(gemm_block_n=128),
     "wgrad_stages4": dict(wgrad_num_stages=4),
-    "gemm_stages4": dict(gemm_num_stages=4),  # the default before 3
+    "gemm_stages4": dict(gemm_num_stages=4, gemm_few_rows_num_stages=0),  # the default before 3
+    "few_rows_stages_off": dict(gemm_few_rows_num_stages=0),  # gemm_num_stages at every row count
     "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
     "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
     "full_tiles": dict(gemm_half_tiles=False),

@@ -96,6 +96,9 @@ def test_resolve_prefers_the_measured_cache(tmp_path):
     cache.store(SPEC.name, 1, QWEN3, 16384, {"knobs": knobs, "measured_ms": 1.0, "predicted_ms": 1.0})
     measured, source = resolve(auto, QWEN3, 16384, SPEC, cache=cache)
     assert source == "measured" and measured.gemm_block_n == 64
+    # a resolved point's GEMM stages hold at every row count (the defaults' few-rows depth is off)
+    assert UniEPConfig().gemm_few_rows_num_stages != 0
+    assert from_model.gemm_few_rows_num_stages == kept.gemm_few_rows_num_stages == measured.gemm_few_rows_num_stages == 0
 
     explicit = UniEPConfig(gemm_block_n=256)
     assert resolve(explicit, QWEN3, 16384, SPEC, cache=cache) == (explicit, "explicit")

@@ -68,6 +68,15 @@ class UniEPConfig:
     """Software-pipelining depth (1..8); fewer where the tiles would not fit the
     device's shared memory. On an H200, 3 ran the DeepSeek-V3 shapes' launches faster
     than 4 (benchmarks/RESULTS.md). Does not change bits."""
+    gemm_few_rows_num_stages: int = 4
+    """The pipelining depth of those GEMMs where a launch's experts average at most
+    ``kernels.grouped_gemm.FEW_ROWS_PER_EXPERT`` rows (0..8; 0: ``gemm_num_stages``
+    there too; the megakernel's launches keep ``gemm_num_stages``). With few row tiles per expert each weight tile is streamed from memory
+    for few rows, and a deeper pipeline keeps more of it in flight: on an H100 at 4096
+    tokens (Qwen3-30B-A3B, 256 rows per expert) 4 stages ran the four launches 4.7%
+    faster than 3, at 16384 tokens 4.5% slower (benchmarks/RESULTS.md). A tuned config
+    (``config = "auto"``) sets 0: its ``gemm_num_stages`` was measured for its own
+    token count. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). May change bits."""
@@ -151,6 +160,9 @@ class UniEPConfig:
         for name in ("gemm_num_stages", "wgrad_num_stages"):
             if not 1 <= getattr(self, name) <= 8:
                 raise UniEPConfigError(f"{name} = {getattr(self, name)} is not allowed; allowed values: 1..8")
+        if not 0 <= self.gemm_few_rows_num_stages <= 8:
+            raise UniEPConfigError(f"gemm_few_rows_num_stages = {self.gemm_few_rows_num_stages} is not allowed; "
+                                   "allowed values: 0 (gemm_num_stages), 1..8")
         for name in ("megakernel_sends_per_task", "megakernel_tokens_per_task"):
             value = getattr(self, name)
             if value < 1 or value > 256 or value & (value - 1):

@@ -124,6 +124,23 @@ def test_bitwise_repeatable_and_schedule_invariant():
         assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
 
 
+def test_few_rows_depth_keeps_the_bits():
+    """At 250 rows per expert the row GEMMs run ``gemm_few_rows_num_stages`` deep (the
+    default 4, or 2) instead of ``gemm_num_stages``: the same bits."""
+    from uniep import UniEPConfig
+    from uniep.kernels.grouped_gemm import FEW_ROWS_PER_EXPERT
+
+    _, uniep = build(num_experts=32, top_k=8)
+    x = torch.randn(1, 1000, 256, device="cuda", dtype=torch.bfloat16)
+    assert 1000 * 8 <= FEW_ROWS_PER_EXPERT * 32
+    grad = torch.randn_like(x)
+    outs = []
+    for stages in (0, UniEPConfig().gemm_few_rows_num_stages, 2):
+        uniep.config = UniEPConfig(backend="triton", gemm_few_rows_num_stages=stages)
+        outs.append(fwd_bwd(uniep, x, grad))
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+
+
 def test_direct_launch_matches_the_jit(monkeypatch):
     """After a layer call has compiled its kernels, the next calls launch them directly
     (``uniep.kernels.launch``: no JIT dispatch at all), with the bits of launches through

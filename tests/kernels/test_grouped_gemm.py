@@ -345,6 +345,43 @@ def test_wgrad_expert_runs_by_rows_per_expert():
     assert expert_run_for(dataclasses.replace(TILES, expert_run=2), 10**6, 10) == 2
 
 
+def test_row_gemms_run_deeper_where_experts_have_few_rows(monkeypatch):
+    """``few_rows_stages`` replaces ``num_stages`` up to FEW_ROWS_PER_EXPERT rows per
+    expert on average, in the launch itself; above it, or unset, the tiles' own depth.
+    The defaults: 4 stages at Qwen3's 4096 tokens, 3 at 16384, on gate/up and the plain GEMMs."""
+    import dataclasses
+
+    import uniep.kernels.grouped_gemm as gg
+    from uniep.config import UniEPConfig
+    from uniep.kernels.grouped_gemm import FEW_ROWS_PER_EXPERT, ExpertTiles, stages_for_rows
+
+    deep = dataclasses.replace(TILES, num_stages=2, few_rows_stages=5)
+    limit = FEW_ROWS_PER_EXPERT
+    assert [stages_for_rows(deep, limit * 10 + d, 10).num_stages for d in (0, 1)] == [5, 2]
+    assert stages_for_rows(dataclasses.replace(deep, few_rows_stages=0), 16, 10).num_stages == 2
+    tiles = ExpertTiles.from_config(UniEPConfig())
+    for t in (tiles.gemm, tiles.up):
+        assert stages_for_rows(t, 4096 * 8, 128).num_stages == 4  # 256 rows per expert
+        assert stages_for_rows(t, 16384 * 8, 128).num_stages == 3  # 1024
+    assert ExpertTiles.from_config(UniEPConfig(gemm_few_rows_num_stages=0)).gemm.few_rows_stages == 0
+
+    launched = []
+
+    class Launch:  # records the launch's pipelining depth instead of launching
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["num_stages"])
+
+    monkeypatch.setattr(gg, "launcher", lambda fn: Launch())
+    E, D, N = 4, 16, 32
+    w = torch.zeros(E, N, D)
+    for rows in (limit * E, limit * E + 1):
+        counts = torch.full((E,), rows // E, dtype=torch.int64)
+        counts[0] += rows % E
+        grouped_gemm(torch.zeros(rows, D), w, row_tiles(counts, deep.block_m, rows), rows, transpose_w=True,
+                     tiles=deep)
+    assert launched == [5, 2]
+
+
 @pytest.mark.parametrize("halves", [1, 2])
 @pytest.mark.parametrize("run", [0, 2])
 def test_wgrad_descriptor_stores_give_the_pointer_stores_bits(halves, run):

@@ -115,6 +115,10 @@ class GemmTiles:
     and it runs in the pipelined loop; -1, by the rows per expert of each launch
     (``wgrad.expert_run_for``). The bits are the same, and a non-finite row reaches only
     its own expert's gradient either way."""
+    few_rows_stages: int = 0
+    """Row GEMMs: the pipelining depth where a launch's experts average at most
+    ``FEW_ROWS_PER_EXPERT`` rows (``stages_for_rows``); 0, ``num_stages`` there too."""
+
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
         (and, for float32 dots in IEEE precision, the registers: first a shorter
@@ -178,6 +182,25 @@ def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles
     return tiles
 
 
+FEW_ROWS_PER_EXPERT = 512
+"""Rows per expert (a launch's average) up to which the row GEMMs run
+``GemmTiles.few_rows_stages`` deep: an H100 ran 4 stages faster than 3 at 256 rows per
+expert and slower at 1024 (benchmarks/RESULTS.md)."""
+
+
+def stages_for_rows(tiles: GemmTiles, rows: int, num_experts: int) -> GemmTiles:
+    """``tiles`` with ``few_rows_stages`` stages where ``rows`` over ``num_experts``
+    experts average at most ``FEW_ROWS_PER_EXPERT`` and it is set, else as given."""
+    if tiles.few_rows_stages and rows <= FEW_ROWS_PER_EXPERT * num_experts:
+        return _with_stages(tiles, tiles.few_rows_stages)
+    return tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _with_stages(tiles: GemmTiles, stages: int) -> GemmTiles:
+    return dataclasses.replace(tiles, num_stages=stages)
+
+
 @dataclass(frozen=True)
 class ExpertTiles:
     """The tiles of the expert MLP's four kinds of launch: the one tile settings object
@@ -211,7 +234,8 @@ class ExpertTiles:
         """The tiles a ``UniEPConfig`` names."""
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
-                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores)
+                         programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores,
+                         few_rows_stages=c.gemm_few_rows_num_stages)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads, store_descriptors=c.wgrad_descriptor_stores,
                           expert_run=c.wgrad_expert_run)
@@ -552,7 +576,7 @@ def grouped_gemm(
     Returns ``C`` (PLAIN, DUAL), ``(h, a1, a3)`` (SWIGLU_FWD) or ``(d_a1, d_a3)`` (SWIGLU_BWD).
     """
     num_experts = w_E.shape[0]
-    tiles = tiles.fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
+    tiles = stages_for_rows(tiles, num_rows, num_experts).fitted(a.dtype, a.device, b_tiles=2 if mode == SWIGLU_FWD else 1)
     Kd, N, s_be, s_bk, s_bn = _weight_view(w_E, transpose_w)
     if a.shape[1] != Kd or not a.is_contiguous():
         raise ValueError(f"grouped_gemm: A must be contiguous (rows, {Kd}); got {tuple(a.shape)} stride {a.stride()}")

@@ -14,7 +14,7 @@ from uniep.moe import UniEPMoE
 from uniep.tune.cache import MoEShape, TuneCache
 from uniep.tune.device import DeviceSpec
 from uniep.tune.search import neighbors, rank
-from uniep.tune.space import KNOBS, SWITCHES, default_switches, full_space
+from uniep.tune.space import KNOBS, POINT_SETS, SWITCHES, default_switches, full_space
 
 
 def median_cuda_ms(step, warmup: int = 3, iters: int = 10) -> float:
@@ -195,7 +195,7 @@ def _layer_timer(shape: MoEShape, tokens: int, score_func: str, score_before_exp
     grad = torch.randn_like(x)
 
     def timer(knobs: dict) -> float:
-        layer.config = dataclasses.replace(UniEPConfig(backend="triton"), **knobs)
+        layer.config = dataclasses.replace(UniEPConfig(backend="triton"), **POINT_SETS, **knobs)
         return time_layer(layer, x, grad)
 
     return timer

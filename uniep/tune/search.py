@@ -15,7 +15,7 @@ from uniep.config import UniEPConfig
 from uniep.tune.cache import MoEShape, TuneCache, token_bucket
 from uniep.tune.cost_model import predict
 from uniep.tune.device import DeviceSpec
-from uniep.tune.space import KNOBS, Space, feasible, full_space
+from uniep.tune.space import KNOBS, POINT_SETS, Space, feasible, full_space
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +89,8 @@ def resolve(
         return config, "explicit"
     entry = (cache or TuneCache()).lookup(spec.name, ep_size, shape, tokens)
     if entry is not None:
-        return dataclasses.replace(config, config="explicit", **entry["knobs"]), "measured"
+        return dataclasses.replace(config, config="explicit", **POINT_SETS, **entry["knobs"]), "measured"
     given = tuple((k, getattr(config, k)) for k in KNOBS)
     knobs, gain = _model_choice(shape, token_bucket(tokens), spec, ep_size, given)
     source = "cost model" if knobs != given else f"cost model: given knobs kept (best point predicted {gain:.2f}x)"
-    return dataclasses.replace(config, config="explicit", **dict(knobs)), source
+    return dataclasses.replace(config, config="explicit", **POINT_SETS, **dict(knobs)), source

@@ -32,6 +32,9 @@ CHOICES: dict[str, tuple[int, ...]] = {
     "wgrad_num_stages": (2, 3, 4),
 }
 KNOBS = tuple(CHOICES)
+POINT_SETS = {"gemm_few_rows_num_stages": 0}
+"""Knobs every point of the space sets besides ``KNOBS``: a point's ``gemm_num_stages``
+holds at every row count (it was measured or modelled for its own token count)."""
 
 # Expert-parallel knobs (EP > 1): how rows move and how the megakernel splits its work.
 # None changes bits. The cost model ranks the kernel knobs above; these are chosen by
