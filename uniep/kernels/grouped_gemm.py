@@ -185,7 +185,7 @@ def _fit(given: GemmTiles, dtype: torch.dtype, limit: int, a_tiles: int, b_tiles
 FEW_ROWS_PER_EXPERT = 512
 """Rows per expert (a launch's average) up to which the row GEMMs run
 ``GemmTiles.few_rows_stages`` deep: an H100 ran 4 stages faster than 3 at 256 rows per
-expert and slower at 1024 (benchmarks/RESULTS.md)."""
+expert and slower at 1024, an H200 a little faster at 256 (benchmarks/RESULTS.md)."""
 
 
 def stages_for_rows(tiles: GemmTiles, rows: int, num_experts: int) -> GemmTiles:
