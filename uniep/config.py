@@ -71,14 +71,14 @@ class UniEPConfig:
     gemm_few_rows_num_stages: int = 4
     """The pipelining depth of those GEMMs where a launch's experts average at most
     ``kernels.grouped_gemm.FEW_ROWS_PER_EXPERT`` rows (0..8; 0: ``gemm_num_stages``
-    there too; the megakernel's launches keep ``gemm_num_stages``). With few row tiles per expert each weight tile is streamed from memory
-    for few rows, and a deeper pipeline keeps more of it in flight: at 4096 tokens
-    (Qwen3-30B-A3B, 256 rows per expert) 4 stages ran the expert launches 4.7% faster in
-    sum than 3 on an H100 and 1.4% on an H200 (the gate/up launch 7% and 6%); at 16384
-    tokens 4.5% slower on the H100; the H200's layer took the same time with either
-    (benchmarks/RESULTS.md). A tuned config
-    (``config = "auto"``) sets 0: its ``gemm_num_stages`` was measured for its own
-    token count. Does not change bits."""
+    there too; the megakernel's launches keep ``gemm_num_stages``). With few row tiles
+    per expert each weight tile is streamed from memory for few rows, and a deeper
+    pipeline keeps more of it in flight: at 4096 tokens (Qwen3-30B-A3B, 256 rows per
+    expert) 4 stages ran the expert launches 4.7% faster in sum than 3 on an H100 and
+    1.4% on an H200 (the gate/up launch 7% and 6%); at 16384 tokens 4.5% slower on the
+    H100; the H200's layer took the same time with either (benchmarks/RESULTS.md). A
+    tuned config (``config = "auto"``) sets 0: its ``gemm_num_stages`` was measured
+    for its own token count. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). May change bits."""
