@@ -14,8 +14,9 @@ after each (the host's work before the call's first large kernel is counted), an
 calls issued back to back, as the layers of a training step are (the host issues the
 next call while the device runs this one; ``back_to_back_cuda_ms``). Both are timed in
 ``--rounds`` rounds that take the four main layers (TorchTitan and UniEP, eager and
-compiled, and the ``--sweep`` layers) in turn, and each row reports the median of its
-rounds (a GPU's speed drifts during a run by as much as the differences measured). The
+compiled, and the ``--sweep`` layers) in turn, every other round in reverse order (a
+layer's time depended on the layer timed before it), and each row reports the median of
+its rounds (a GPU's speed drifts during a run by as much as the differences measured). The
 dense bf16 matmul rate measured in the same run is printed for scale. ``--sustained S``
 also times each layer back to back for S seconds after a second of heating, in
 ``--rounds`` interleaved rounds: the GPU at its power limit, as in training, where a
@@ -197,10 +198,12 @@ def fwd_bwd_times(layer, x, grad, warmup, iters) -> tuple[float, float]:
 
 def more_rounds(measured: list[tuple[Row, object]], x, grad, rounds: int, warmup, iters, flops) -> None:
     """Time the layers ``rounds - 1`` more times, one after the other in each round (so a
-    drift of the GPU's speed during the run reaches all of them alike), and keep each
+    drift of the GPU's speed during the run reaches all of them alike), in reverse order
+    every other round (a layer timed right after compiled TorchTitan ran slower back to
+    back than the same layer later in the round, benchmarks/RESULTS.md), and keep each
     row's median over the rounds."""
-    for _ in range(rounds - 1):
-        for row, layer in measured:
+    for r in range(1, rounds):
+        for row, layer in (measured[::-1] if r % 2 else measured):
             sync, b2b = fwd_bwd_times(layer, x, grad, warmup, iters)
             row.fwd_bwd_rounds_ms.append(sync)
             row.back_to_back_rounds_ms.append(b2b)

@@ -59,6 +59,29 @@ def test_sweep_layers_share_weights_not_paths():
     assert default.expert_path is path
 
 
+def test_bench_moe_rounds_alternate_the_order(monkeypatch):
+    """Round 1 is each layer's first measurement; the later rounds take the layers in
+    reverse order every other round, and each row keeps the median of its rounds."""
+    import bench_moe
+
+    order = []
+    times = iter(range(100))
+
+    def fake_times(layer, x, grad, warmup, iters):
+        order.append(layer)
+        t = float(next(times))
+        return t, t + 0.5
+
+    monkeypatch.setattr(bench_moe, "fwd_bwd_times", fake_times)
+    rows = [bench_moe.Row("s", name, 0.0, 0.0, 1.0, 100.0, 0.0, 0.0, 100.5, [100.0], [100.5]) for name in "abc"]
+    bench_moe.more_rounds(list(zip(rows, "abc")), None, None, 4, 0, 1, flops=2e9)
+    assert "".join(order) == "cba" "abc" "cba"
+    assert rows[0].fwd_bwd_rounds_ms == [100.0, 2.0, 3.0, 8.0]
+    assert rows[2].back_to_back_rounds_ms == [100.5, 0.5, 5.5, 6.5]
+    assert rows[0].fwd_bwd_ms == 5.5 and rows[2].fwd_bwd_back_to_back_ms == 6.0
+    assert rows[0].tflops_fwd_bwd == 2e9 / 5.5 / 1e9
+
+
 def test_bench_ep_smoke_on_cpu(tmp_path):
     out = tmp_path / "ep.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
