@@ -81,11 +81,11 @@ VARIANTS = {
     "wgrad_bm256_w8": dict(wgrad_block_m=256),
     "programs_264": dict(num_programs=264),
     # one program per tile (not persistent): the hardware starts tiles in order as SMs
-    # free up, so the row tiles that share an expert's weight columns run at the same
-    # time however long earlier tiles took (a persistent program's tiles drift apart)
+    # free up (on an H100 slower at 4096 and 16384 tokens, the same DRAM bytes)
     "program_per_tile": dict(num_programs=1 << 20),
     # 256-row tiles (two warpgroups of 128 rows): each weight tile loaded once for 256 rows
-    # (an expert's rows at 4096 tokens), narrower columns to keep the accumulators in registers
+    # (an expert's rows at 4096 tokens), narrower columns to keep the accumulators in
+    # registers (on an H100 slower at 4096 and 16384 tokens)
     "gemm_bm256": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64),
     "gemm_bm256_half_tiles": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64, gemm_half_tiles=True),
     # two row-GEMM programs per SM: 3 stages of 128x128 tiles leave room for a second in
