@@ -12,7 +12,8 @@ against TorchTitan eager and TorchTitan under ``torch.compile`` (its best; the r
 that counts). Forward+backward is timed two ways: one call at a time, synchronized
 after each (the host's work before the call's first large kernel is counted), and
 calls issued back to back, as the layers of a training step are (the host issues the
-next call while the device runs this one; ``back_to_back_cuda_ms``). Both are timed in
+next call while the device runs this one; ``back_to_back_cuda_ms``), both with Python's
+automatic garbage collection paused, as TorchTitan's trainer runs. Both are timed in
 ``--rounds`` rounds that take the four main layers (TorchTitan and UniEP, eager and
 compiled, and the ``--sweep`` layers) in turn, every other round in reverse order (a
 layer's time depended on the layer timed before it), and each row reports the median of

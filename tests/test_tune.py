@@ -1,9 +1,12 @@
 """The schedule space, the cost-model search, the tuning cache and config = "auto"."""
 
+import gc
 import math
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from uniep import UniEPConfig
 from uniep.tune import DeviceSpec, MoEShape, TuneCache, describe, full_space, rank, resolve, token_bucket
@@ -281,3 +284,58 @@ def test_tuning_summary_when_the_default_is_fastest(tmp_path):
     assert report["best"]["label"] == "default" and entry["measured_ms"] == 9.0
     text = _script("tune")[0].summary(report, QWEN3, 16384)
     assert "the default is the fastest point measured: 9.000 ms" in text and "vs default" not in text
+
+
+class _FakeEvent:
+    """A CUDA event stand-in on the CPU: records the host clock."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return (end.at - self.at) * 1e3
+
+
+@pytest.mark.parametrize("timer", ["median_cuda_ms", "back_to_back_cuda_ms"])
+def test_timers_run_with_automatic_garbage_collection_off(monkeypatch, timer):
+    """As TorchTitan's trainer runs its steps: no collection inside a timed call, and the
+    collector as it was afterwards (also when the step raises)."""
+    from uniep.tune import measure
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = []
+    run = getattr(measure, timer)
+    assert gc.isenabled()
+    assert run(lambda: seen.append(gc.isenabled()), 2, 3) >= 0
+    assert seen and not any(seen)
+    assert gc.isenabled()
+
+    def failing():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        run(failing, 1, 1)
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        run(lambda: None, 1, 1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_timers_without_the_pause_let_a_step_see_the_collector(monkeypatch):
+    """Negative control: with the pause replaced by nothing, the probe of the test above
+    sees the collector on."""
+    import contextlib
+
+    from uniep.tune import measure
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(measure, "garbage_collector_paused", contextlib.nullcontext)
+    seen = []
+    measure.median_cuda_ms(lambda: seen.append(gc.isenabled()), 1, 2)
+    assert seen and all(seen)

@@ -3,7 +3,9 @@ the fastest in the cache, and report how far the predictions were off."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import statistics
 import sys
 
@@ -17,18 +19,37 @@ from uniep.tune.search import neighbors, rank
 from uniep.tune.space import KNOBS, POINT_SETS, SWITCHES, default_switches, full_space
 
 
+@contextlib.contextmanager
+def garbage_collector_paused():
+    """Python's automatic garbage collection off (after one collection), and back as it
+    was on exit. TorchTitan's trainer runs its steps so (automatic collection off, one
+    every ``training.gc_freq`` steps); with it on, a collection that falls inside a
+    timed call adds its host time to whichever layer it hits, more the more objects the
+    process holds."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def median_cuda_ms(step, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of ``step()`` (CUDA events), after ``warmup`` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    """Median milliseconds of ``step()`` (CUDA events), after ``warmup`` calls; automatic
+    garbage collection paused (``garbage_collector_paused``)."""
+    with garbage_collector_paused():
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -37,19 +58,21 @@ def back_to_back_cuda_ms(step, warmup: int = 3, iters: int = 10, rounds: int = 3
     around the whole run, no synchronization between calls), median over ``rounds``
     runs, after ``warmup`` calls. The host issues a call while the device still runs
     the one before, as it does across the layers of a training step, so the host's
-    lead at the start of a call is hidden where ``median_cuda_ms`` counts it."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
+    lead at the start of a call is hidden where ``median_cuda_ms`` counts it. Automatic
+    garbage collection paused, as there."""
+    with garbage_collector_paused():
+        for _ in range(warmup):
             step()
-        end.record()
         torch.cuda.synchronize()
-        per_call.append(start.elapsed_time(end) / iters)
+        per_call = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            per_call.append(start.elapsed_time(end) / iters)
     return statistics.median(per_call)
 
 
