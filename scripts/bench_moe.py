@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_energy import EnergyMeter, sustained  # noqa: E402
+from tile_variants import VARIANTS  # noqa: E402
 
 from uniep.tune.measure import back_to_back_cuda_ms, median_cuda_ms  # noqa: E402
 
@@ -57,25 +58,16 @@ SHAPES = {
     "tiny": (64, 32, 16, 8, 3, 1, "softmax", True),  # smoke tests of the scripts (CPU)
 }
 
+# the --sweep settings: tile variants of bench_gemm.py's, and settings of the layer alone
 SWEEP = {
-    "pointer_loads": dict(descriptor_loads=False),
-    "gemm_bn128": dict(gemm_block_n=128),
-    "wgrad_stages4": dict(wgrad_num_stages=4),
-    "gemm_stages4": dict(gemm_num_stages=4, gemm_few_rows_num_stages=0),  # the default before 3
-    "few_rows_stages_off": dict(gemm_few_rows_num_stages=0),  # gemm_num_stages at every row count
-    "wgrad_bn256": dict(wgrad_block_n=256, wgrad_up_block_n=256),  # one program per SM (the defaults before 128)
-    "half_tiles": dict(gemm_half_tiles=True),  # an expert's last tile of at most half its rows on a half-size dot
+    **{name: VARIANTS[name] for name in ("pointer_loads", "gemm_bn128", "wgrad_stages4", "gemm_stages4",
+                                         "few_rows_stages_off", "wgrad_bn256", "half_tiles")},
     "full_tiles": dict(gemm_half_tiles=False),
-    "wgrad_bk32_s4": dict(wgrad_block_k=32, wgrad_num_stages=4),  # weight gradients on 32-row steps
-    "wgrad_run0": dict(wgrad_expert_run=0),  # weight-gradient tiles round-robin (the default before -1)
-    "wgrad_run4": dict(wgrad_expert_run=4),  # runs of 4 tiles of one expert at every size
-    "store_descriptors": dict(descriptor_stores=True),  # full plan-order output tiles stored through descriptors
-    "wgrad_store_desc": dict(wgrad_descriptor_stores=True),  # weight-gradient tiles stored through descriptors
-    "half_tiles_store_descriptors": dict(gemm_half_tiles=True, descriptor_stores=True),
+    **{name: VARIANTS[name] for name in ("wgrad_bk32_s4", "wgrad_run0", "wgrad_run4", "store_descriptors",
+                                         "wgrad_store_desc", "half_tiles_store_descriptors")},
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
     "one_stream": dict(shared_experts_stream=False),
-    "program_per_tile": dict(num_programs=1 << 20),  # one program per tile, not persistent
-    "gemm_bm256": dict(gemm_block_m=256, gemm_block_n=128, gemm_up_block_n=64),  # 256-row tiles
+    **{name: VARIANTS[name] for name in ("program_per_tile", "gemm_bm256")},
 }
 
 
