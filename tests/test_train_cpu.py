@@ -25,7 +25,7 @@ def assert_trains(log, steps):
 
 
 def test_qwen3_moe_debug_trains_with_ep2_and_repeats_bitwise(tmp_path):
-    """10 of the config's 20 steps (its LR schedule kept; a step takes about 7 s on a
+    """10 of the config's 20 steps (its LR schedule kept; a step takes about 3 s on a
     2-core machine), and the loss still falls: 7.36 to 6.23 between the halves here."""
     schedule = ["--lr_scheduler.total_steps", "20"]
     run_train("qwen3_moe_debug.toml", tmp_path / "first", "--training.steps", "10", *schedule)
