@@ -21,10 +21,10 @@ Each is applied only when no CUDA device is present, and each answers one gap:
    and the next allocation of that size faults its pages in again, zeroed. A training
    step frees and allocates the same tensors every step, and the debug Qwen3-MoE's step
    spent about 40% of its time so. The shim puts blocks up to 32 MiB (the most glibc's
-   own adaptive threshold reaches) in the heap and keeps freed heap memory: both
-   thresholds are needed, either alone was no faster. Values are unchanged; a process's
-   peak resident set grows by what its heap keeps (about 0.5 GiB in the debug Qwen3-MoE
-   runs).
+   own adaptive threshold reaches) in the heap and keeps freed heap memory (the mmap
+   threshold alone was no faster, the trim threshold alone slower). Values are
+   unchanged; a process's peak resident set grows by what its heap keeps (about 0.5 GiB
+   in the debug Qwen3-MoE runs).
 """
 
 from __future__ import annotations
