@@ -1,6 +1,6 @@
 """The Triton paths: the expert MLP on the Triton kernels, on one rank
-(``fused_experts``: the token rows gathered inside the GEMM loads) or over the
-all_to_all transport.
+(``fused_experts``: the token rows copied to plan order once, then read by the GEMMs)
+or over the all_to_all transport.
 
 Shape legend: T local tokens, K experts per token, P = T*K pairs (send order), R rows
 received (expert-major), D model dim, E experts (El on this rank).
