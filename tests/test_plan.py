@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import brute_force_rows, routing
-from uniep.plan import build_plan, local_counts
+from uniep.plan import build_plan, inverse_permutation, local_counts
 
 
 @pytest.mark.parametrize(
@@ -78,3 +78,11 @@ def test_expert_order_is_the_plans_send_order_from_one_sort():
     # the control: an order that is not the stable one gives another plan
     wrong = build_plan(topk[0], 8, table, 0, expert_order(topk[0], 8)[1].flip(0))
     assert not torch.equal(wrong.dest_rows, build_plan(topk[0], 8, table, 0).dest_rows)
+
+
+def test_inverse_permutation():
+    order = torch.tensor([2, 0, 3, 1])
+    inverse = inverse_permutation(order)
+    assert inverse.tolist() == [1, 3, 0, 2]
+    assert torch.equal(order[inverse], torch.arange(4)) and torch.equal(inverse[order], torch.arange(4))
+    assert not torch.equal(order[order], torch.arange(4))  # the permutation is not its own inverse

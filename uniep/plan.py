@@ -97,6 +97,12 @@ def cached_range(n: int, *, device: torch.device, dtype: torch.dtype) -> torch.T
     return torch.arange(n, device=device, dtype=dtype)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``order`` of 0..n-1: ``inverse[order[i]] = i``."""
+    make = torch.arange if torch.compiler.is_compiling() else cached_range
+    return torch.empty_like(order).index_copy_(0, order, make(order.numel(), device=order.device, dtype=order.dtype))
+
+
 def exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Sums of the elements before each one along ``dim`` (0 for the first)."""
     return torch.cumsum(x, dim=dim) - x
@@ -152,8 +158,7 @@ def build_plan(
     # Stable sort keeps pairs of one expert in (t, k) order: pair id t*K+k increases.
     if send_order is None:
         send_order = torch.argsort(flat_P, stable=True)
-    send_order_inverse = torch.empty_like(send_order)
-    send_order_inverse[send_order] = torch.arange(send_order.numel(), device=device)
+    send_order_inverse = inverse_permutation(send_order)
 
     counts_E = count_table_WE[ep_rank]
     dest_rows = algorithm1_rows(topk_idx_TK, count_table_WE, ep_rank, send_order).reshape(-1)[send_order]
@@ -168,8 +173,7 @@ def build_plan(
     arrival_to_row = torch.repeat_interleave(
         seg_dest_start - seg_arrival_start, seg_counts, output_size=R
     ) + torch.arange(R, device=device)
-    row_to_arrival = torch.empty_like(arrival_to_row)
-    row_to_arrival[arrival_to_row] = torch.arange(R, device=device)
+    row_to_arrival = inverse_permutation(arrival_to_row)
 
     return RoutingPlan(
         num_experts=num_experts,

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from uniep.kernels.combine import topk_combine, topk_combine_bwd
+from uniep.kernels.combine import replicate_rows, topk_combine, topk_combine_bwd
 from uniep.rows import sum_topk_fp32
 
 
-@pytest.mark.parametrize("T, K, D", [(7, 3, 40), (1, 1, 16), (5, 8, 1100)])  # D > one block of 1024
+@pytest.mark.parametrize("T, K, D", [(7, 3, 40), (1, 1, 16), (5, 8, 2100)])  # D > one block of 2048
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_forward_and_backward(T, K, D, weighted):
     gen = torch.Generator().manual_seed(T * K + D)
@@ -47,3 +47,20 @@ def test_backward_rows_in_another_order():
     moved_rows, moved_w = topk_combine_bwd(grad, rows, weights, K, row_of_pair=row_of_pair)
     assert torch.equal(moved_rows[row_of_pair], plain_rows) and torch.equal(moved_w, plain_w)
     assert not torch.equal(moved_rows, plain_rows)  # the order did change
+
+
+@pytest.mark.parametrize("T, K, D", [(6, 4, 40), (3, 1, 2100)])
+def test_replicate_rows_is_the_gather_of_the_pairs_tokens(T, K, D):
+    """Each token's row lands, bitwise, at its K pairs' rows: the gather
+    ``x[order // K]`` for the permutation whose inverse is given; given ``order``
+    itself (the wrong map) the rows differ."""
+    gen = torch.Generator().manual_seed(T + K + D)
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
+    order = torch.randperm(T * K, generator=gen)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(T * K)
+    assert torch.equal(replicate_rows(x, K, inverse), x.index_select(0, order // K))
+    if K > 1:
+        assert not torch.equal(replicate_rows(x, K, order), x.index_select(0, order // K))
+    with pytest.raises(ValueError, match="row_of_pair has shape"):
+        replicate_rows(x, K, inverse[1:])

@@ -12,8 +12,12 @@ backward, for an upstream gradient g (T, D):
 (``grad_rows`` optionally written in another row order, e.g. the plan's, so the GEMMs
 that read it next load contiguous rows.)
 
+``replicate_rows`` copies each token's row to its K pairs' rows (in the plan's order):
+one read of the token's row, K writes, where a gather of the pairs' rows reads each
+token's row K times (from memory, once the tokens' rows outgrow the L2 cache).
+
 No atomics: every output element is written by exactly one program.
-Grid: (T, cdiv(D, BLOCK_D)) for the forward, (T,) for the backward.
+Grid: (T, cdiv(D, BLOCK_D)) for the forward and the replication, (T,) for the backward.
 """
 
 from __future__ import annotations
@@ -80,8 +84,31 @@ def _topk_combine_bwd_kernel(
             tl.store(grad_w_ptr + t * K + k, tl.sum(dot))
 
 
+@triton.jit
+def _replicate_rows_kernel(
+    x_ptr,  # (T, D)
+    row_of_pair_ptr,  # (T*K,) int64: output row of pair t*K + k
+    out_ptr,  # (T*K, D)
+    D,
+    K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    row = tl.load(x_ptr + t * D + cols, mask=mask)
+    for k in tl.static_range(K):
+        out_row = tl.load(row_of_pair_ptr + t * K + k).to(tl.int64)
+        tl.store(out_ptr + out_row * D + cols, row, mask=mask)
+
+
+NUM_WARPS = 8
+"""Warps per program of every launch here, with columns in blocks of up to 2048: on an
+H100, as fast as 1024-column blocks on 4 warps at D = 2048 and faster at D = 7168 (the
+combine backward 0.83 against 0.98 ms at 8192 tokens, K = 8; benchmarks/RESULTS.md)."""
+
+
 def _block_d(D: int) -> int:
-    return min(1024, triton.next_power_of_2(D))
+    return min(2048, triton.next_power_of_2(D))
 
 
 def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int) -> torch.Tensor:
@@ -93,7 +120,7 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
         return out
     launcher(_topk_combine_kernel)[(T, cdiv(D, _block_d(D)))](
         rows_PD, rows_PD if weights_TK is None else weights_TK, out, D,
-        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D),
+        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
     )
     return out
 
@@ -117,9 +144,25 @@ def topk_combine_bwd(
         grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
         grad_rows, grad_rows if row_of_pair is None else row_of_pair, grad_rows if grad_w is None else grad_w, D,
         K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, HAS_ROW_MAP=row_of_pair is not None,
-        BLOCK_D=_block_d(D),
+        BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
     )
     return (grad_rows if write_rows else None), grad_w
+
+
+def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor) -> torch.Tensor:
+    """(T*K, D): token ``t``'s row copied to row ``row_of_pair[t*K + k]`` for each k,
+    i.e. ``x.index_select(0, order // K)`` where ``row_of_pair`` is the inverse of the
+    permutation ``order`` (pair ids in the output's row order)."""
+    if row_of_pair.shape != (x_TD.shape[0] * top_k,):
+        raise ValueError(f"replicate_rows: row_of_pair has shape {tuple(row_of_pair.shape)}; "
+                         f"expected ({x_TD.shape[0] * top_k},) for {x_TD.shape[0]} tokens and top_k = {top_k}")
+    x_TD = x_TD.contiguous()
+    T, D = x_TD.shape
+    out = x_TD.new_empty(T * top_k, D)
+    if T:
+        launcher(_replicate_rows_kernel)[(T, cdiv(D, _block_d(D)))](x_TD, row_of_pair, out, D, K=top_k,
+                                                                     BLOCK_D=_block_d(D), num_warps=NUM_WARPS)
+    return out
 
 
 def tokens_input_grad(d_rows_PD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor,

@@ -8,10 +8,9 @@ E local experts.
     h = silu(s * rows @ w1[e]^T) * (s * rows @ w3[e]^T)        y = h @ w2[e]^T
 
 where ``s`` is each row's score when scores are applied before the experts (rounded to
-the rows' dtype after scaling), else 1. Input rows given through ``source_row`` (the
-plan row's row of ``rows``, e.g. its token) are copied to plan order once, in the
-forward: the copy engine (TMA) loads contiguous rows but cannot gather, and the gate/up
-launch and the w1/w3 gradient both read the copy. Outputs may be scattered
+the rows' dtype after scaling), else 1. The input rows come in plan order (the caller
+copies token rows there once: the copy engine (TMA) loads contiguous rows but cannot
+gather, and the gate/up launch and the w1/w3 gradient both read them). Outputs may be scattered
 (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside the
 kernels; the output gradient is read in plan order and the input-row gradient written
 in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
@@ -85,14 +84,11 @@ def expert_rows_forward(
     w3_EHD: torch.Tensor,
     tiles: ExpertTiles,
     *,
-    source_row: torch.Tensor | None = None,
     target_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ExpertRowsState]:
-    """(y, state): y has R rows (plan order, or scattered to ``target_row``).
-    ``rows_per_expert_E`` (E,) int64 on the device; ``source_row`` / ``target_row`` (R,)
-    int32 or int64, or None (plan order); ``scale_R`` (R,) fp32 or None."""
-    if source_row is not None:
-        rows = rows.index_select(0, source_row)
+    """(y, state): ``rows`` (R, D) in plan order; y has R rows (plan order, or scattered
+    to ``target_row``). ``rows_per_expert_E`` (E,) int64 on the device; ``target_row``
+    (R,) int32 or int64, or None (plan order); ``scale_R`` (R,) fp32 or None."""
     R = rows.shape[0]
     w1, w2, w3 = (_in_dtype(w, rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
     schedule = row_tiles(rows_per_expert_E, tiles.gemm.block_m, R)

@@ -4,11 +4,11 @@ Shape legend: T tokens, K experts per token, P = T*K rows, D model dim, H expert
 dim, E experts. Rows are expert-major in the plan's order (expert, token, k).
 
 The GEMMs are ``uniep.kernels.expert_rows``' (the one launch sequence of every Triton
-path), here reading each plan row's token from a plan-order copy of x's rows and
-scattering to (token, k) order.
+path), here reading a plan-order copy of x's rows and scattering to (token, k) order.
 
 Forward (4 launches):
-  1. x rows copied to plan order (kept for the w1/w3 gradient)      -> rows (P, D)
+  1. x rows copied to plan order, each token's row read once and written to its K plan
+     rows (``combine.replicate_rows``; kept for the w1/w3 gradient)  -> rows (P, D)
   2. gate/up grouped GEMM, w1 and w3 in one pass, SwiGLU in the epilogue
                                        -> h (P, H), a1, a3 (P, H) kept for backward
   3. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
@@ -34,44 +34,36 @@ from __future__ import annotations
 import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
-from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
+from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
-from uniep.plan import cached_range
-
-
-def _row_maps(send_order_P: torch.Tensor, scores_TK: torch.Tensor, score_before: bool):
-    """(source_row: each plan row's token, target_row: its (token, k) pair, both int64;
-    its score when scores come before the experts, else None)."""
-    K = scores_TK.shape[1]
-    scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
-    return send_order_P // K, send_order_P, scale
+from uniep.plan import inverse_permutation
 
 
 class _FusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before: bool,
                 tiles: ExpertTiles):
-        source_row, target_row, row_scale = _row_maps(send_order_P, scores_TK, score_before)
-        y_PD, state = expert_rows_forward(x_TD, row_scale, rows_per_expert_E, w1, w2, w3, tiles,
-                                          source_row=source_row, target_row=target_row)
-        out_TD = topk_combine(y_PD, None if score_before else scores_TK, scores_TK.shape[1])
+        K = scores_TK.shape[1]
+        plan_row = inverse_permutation(send_order_P)  # each (token, k) pair's plan row
+        row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
+        y_PD, state = expert_rows_forward(replicate_rows(x_TD, K, plan_row), row_scale, rows_per_expert_E,
+                                          w1, w2, w3, tiles, target_row=send_order_P)
+        out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
         # y and the GEMMs' state are held outside the saved tensors, so the backward can
         # release each once used (and activation checkpointing can drop them).
-        ctx.save_for_backward(x_TD, scores_TK, send_order_P, hold_for_backward((y_PD, state)))
+        ctx.save_for_backward(x_TD, scores_TK, plan_row, hold_for_backward((y_PD, state)))
         ctx.score_before, ctx.tiles = score_before, tiles
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, scores_TK, send_order_P, handle = ctx.saved_tensors
+        x_TD, scores_TK, plan_row, handle = ctx.saved_tensors
         (y_PD, state), score_before, tiles = take_for_backward(handle), ctx.score_before, ctx.tiles
         K = scores_TK.shape[1]
         # grad of y, written in plan order (the GEMMs load its rows contiguously); grad of
         # the scores when applied after the experts. The backward owns grad y from here
         # and releases it after its last use.
-        plan_row = torch.empty_like(send_order_P)
-        plan_row[send_order_P] = cached_range(send_order_P.numel(), device=send_order_P.device, dtype=torch.int64)
         state.grad_y, grad_scores = topk_combine_bwd(grad_out_TD.contiguous(), y_PD,
                                                      None if score_before else scores_TK, K, row_of_pair=plan_row)
         del y_PD

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
-from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
+from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles
@@ -34,7 +34,7 @@ class _AllToAllFusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, plan: RoutingPlan, transport, tiles, score_before: bool):
         K = scores_TK.shape[1]
-        rows_PD = x_TD.index_select(0, plan.send_order // K)
+        rows_PD = replicate_rows(x_TD, K, plan.send_order_inverse)
         rows_RD = transport.dispatch(rows_PD, plan)
         scale_R = None
         if score_before:
