@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from uniep.kernels.combine import replicate_rows, topk_combine, topk_combine_bwd
+from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.rows import sum_topk_fp32
 
 
@@ -64,3 +64,30 @@ def test_replicate_rows_is_the_gather_of_the_pairs_tokens(T, K, D):
         assert not torch.equal(replicate_rows(x, K, order), x.index_select(0, order // K))
     with pytest.raises(ValueError, match="row_of_pair has shape"):
         replicate_rows(x, K, inverse[1:])
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rows_read_in_another_order(weighted):
+    """``rows_row_of_pair``: pair p read from row rows_row_of_pair[p] gives the bits of
+    the rows put in (token, k) order first, forward, backward and the input-gradient
+    sum; read unmapped, the same rows give other sums."""
+    gen = torch.Generator().manual_seed(11)
+    T, K, D = 6, 3, 40
+    rows, grad = torch.randn(T * K, D, generator=gen), torch.randn(T, D, generator=gen)
+    weights = torch.rand(T, K, generator=gen) if weighted else None
+    row_of_pair = torch.randperm(T * K, generator=gen)
+    in_pair_order = rows[row_of_pair]
+    assert torch.equal(topk_combine(rows, weights, K, rows_row_of_pair=row_of_pair),
+                       topk_combine(in_pair_order, weights, K))
+    assert not torch.equal(topk_combine(rows, weights, K), topk_combine(in_pair_order, weights, K))
+    if weighted:
+        mapped = topk_combine_bwd(grad, rows, weights, K, row_of_pair=row_of_pair, rows_row_of_pair=row_of_pair)
+        plain = topk_combine_bwd(grad, in_pair_order, weights, K, row_of_pair=row_of_pair)
+        assert torch.equal(mapped[0], plain[0]) and torch.equal(mapped[1], plain[1])
+    x = torch.randn(T, D, generator=gen)
+    scores = torch.rand(T, K, generator=gen)
+    for before in (True, False):
+        got = tokens_input_grad(rows, x, scores, before, rows_row_of_pair=row_of_pair)
+        want = tokens_input_grad(in_pair_order, x, scores, before)
+        assert torch.equal(got[0], want[0])
+        assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])

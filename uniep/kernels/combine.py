@@ -10,7 +10,9 @@ backward, for an upstream gradient g (T, D):
     grad_rows[t*K + k] = w[t, k] * g[t]      grad_w[t, k] = <g[t], rows[t*K + k]>  (fp32)
 
 (``grad_rows`` optionally written in another row order, e.g. the plan's, so the GEMMs
-that read it next load contiguous rows.)
+that read it next load contiguous rows; ``rows`` optionally read in another row order,
+e.g. as the expert-parallel exchange returns them, so that no copy puts them in (token,
+k) order first: ``rows_row_of_pair``.)
 
 ``replicate_rows`` copies each token's row to its K pairs' rows (in the plan's order):
 one read of the token's row, K writes, where a gather of the pairs' rows reads each
@@ -33,16 +35,21 @@ from uniep.kernels.launch import cdiv, launcher
 def _topk_combine_kernel(
     rows_ptr,  # (T*K, D)
     w_ptr,  # (T, K) fp32 (HAS_W)
+    rows_row_of_pair_ptr,  # (T*K,) int64: rows row of pair t*K + k (MAP_READS)
     out_ptr,  # (T, D)
     D,
-    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_W: tl.constexpr, MAP_READS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(K):
-        term = tl.load(rows_ptr + (t * K + k) * D + cols, mask=mask, other=0.0).to(tl.float32)
+        if MAP_READS:
+            row = tl.load(rows_row_of_pair_ptr + t * K + k).to(tl.int64)
+        else:
+            row = t * K + k
+        term = tl.load(rows_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
             term = term * tl.load(w_ptr + t * K + k)
         acc += term
@@ -55,27 +62,32 @@ def _topk_combine_bwd_kernel(
     rows_ptr,  # (T*K, D) (HAS_W)
     w_ptr,  # (T, K) fp32 (HAS_W)
     grad_rows_ptr,  # (T*K, D)
-    row_of_pair_ptr,  # (T*K,) int64: grad_rows row of pair t*K + k (HAS_ROW_MAP)
+    row_of_pair_ptr,  # (T*K,) int64: grad_rows row of pair t*K + k (MAP_WRITES)
+    rows_row_of_pair_ptr,  # (T*K,) int64: rows row of pair t*K + k (MAP_READS)
     grad_w_ptr,  # (T, K) fp32 (HAS_W)
     D,
-    K: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr, HAS_ROW_MAP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr, MAP_WRITES: tl.constexpr,
+    MAP_READS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     for k in tl.static_range(K):
         if HAS_W:
             w = tl.load(w_ptr + t * K + k)
-        if HAS_ROW_MAP:
+        if MAP_WRITES:
             out_row = tl.load(row_of_pair_ptr + t * K + k).to(tl.int64)
         else:
             out_row = t * K + k
+        if MAP_READS:
+            in_row = tl.load(rows_row_of_pair_ptr + t * K + k).to(tl.int64)
+        else:
+            in_row = t * K + k
         dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for d in range(0, D, BLOCK_D):
             cols = d + tl.arange(0, BLOCK_D)
             mask = cols < D
             g = tl.load(grad_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_W:
-                r = tl.load(rows_ptr + (t * K + k) * D + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(rows_ptr + in_row * D + cols, mask=mask, other=0.0).to(tl.float32)
                 dot += g * r
                 g = g * w
             if WRITE_ROWS:
@@ -111,16 +123,20 @@ def _block_d(D: int) -> int:
     return min(2048, triton.next_power_of_2(D))
 
 
-def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int) -> torch.Tensor:
-    """(T, D) in ``rows``' dtype: the fixed-order weighted sum of each token's K rows."""
+def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int,
+                 *, rows_row_of_pair: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, D) in ``rows``' dtype: the fixed-order weighted sum of each token's K rows.
+    ``rows_row_of_pair`` (T*K,) int64: the row of ``rows`` that holds pair ``t*K + k``
+    (default: ``t*K + k``)."""
     P, D = rows_PD.shape
     T = P // top_k
     out = rows_PD.new_empty(T, D)
     if T == 0:
         return out
     launcher(_topk_combine_kernel)[(T, cdiv(D, _block_d(D)))](
-        rows_PD, rows_PD if weights_TK is None else weights_TK, out, D,
-        K=top_k, HAS_W=weights_TK is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
+        rows_PD, rows_PD if weights_TK is None else weights_TK, rows_PD if rows_row_of_pair is None else rows_row_of_pair,
+        out, D, K=top_k, HAS_W=weights_TK is not None, MAP_READS=rows_row_of_pair is not None, BLOCK_D=_block_d(D),
+        num_warps=NUM_WARPS,
     )
     return out
 
@@ -128,11 +144,13 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
 def topk_combine_bwd(
     grad_TD: torch.Tensor, rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int,
     *, write_rows: bool = True, row_of_pair: torch.Tensor | None = None,
+    rows_row_of_pair: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_rows (T*K, D), grad_weights (T, K) fp32 or None)``; with
     ``write_rows=False`` only the weights' gradient is computed (grad_rows is None).
     ``row_of_pair`` (T*K,) int64: the row of ``grad_rows`` that pair ``t*K + k``'s
-    gradient goes to (default: ``t*K + k``)."""
+    gradient goes to; ``rows_row_of_pair``: the row of ``rows`` that holds it (both
+    default to ``t*K + k``)."""
     T, D = grad_TD.shape
     if not write_rows and weights_TK is None:
         raise ValueError("topk_combine_bwd: nothing to compute without weights and rows")
@@ -142,9 +160,10 @@ def topk_combine_bwd(
         return grad_rows, grad_w
     launcher(_topk_combine_bwd_kernel)[(T,)](
         grad_TD, rows_PD, grad_rows if weights_TK is None else weights_TK,
-        grad_rows, grad_rows if row_of_pair is None else row_of_pair, grad_rows if grad_w is None else grad_w, D,
-        K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, HAS_ROW_MAP=row_of_pair is not None,
-        BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
+        grad_rows, grad_rows if row_of_pair is None else row_of_pair,
+        grad_rows if rows_row_of_pair is None else rows_row_of_pair, grad_rows if grad_w is None else grad_w, D,
+        K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, MAP_WRITES=row_of_pair is not None,
+        MAP_READS=rows_row_of_pair is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
     )
     return (grad_rows if write_rows else None), grad_w
 
@@ -165,15 +184,17 @@ def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor) ->
     return out
 
 
-def tokens_input_grad(d_rows_PD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor,
-                      score_before: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def tokens_input_grad(d_rows_PD: torch.Tensor, x_TD: torch.Tensor, scores_TK: torch.Tensor, score_before: bool,
+                      *, rows_row_of_pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(grad x (T, D), grad scores (T, K) fp32 or None)`` from the gradients of the
-    tokens' K expert input rows, in (token, k) order: summed in fixed order per token,
-    scaled by the scores when they were applied before the experts, whose gradient is
-    then ``<x[t], d rows[t*K + k]>``; None when the scores came after the experts (the
+    tokens' K expert input rows, in (token, k) order (else pair ``t*K + k``'s at row
+    ``rows_row_of_pair[t*K + k]``): summed in fixed order per token, scaled by the
+    scores when they were applied before the experts, whose gradient is then
+    ``<x[t], d rows[t*K + k]>``; None when the scores came after the experts (the
     combine backward gives theirs)."""
     K = scores_TK.shape[1]
     if not score_before:
-        return topk_combine(d_rows_PD, None, K), None
-    _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False)
-    return topk_combine(d_rows_PD, scores_TK, K), grad_scores
+        return topk_combine(d_rows_PD, None, K, rows_row_of_pair=rows_row_of_pair), None
+    _, grad_scores = topk_combine_bwd(x_TD, d_rows_PD, scores_TK, K, write_rows=False,
+                                      rows_row_of_pair=rows_row_of_pair)
+    return topk_combine(d_rows_PD, scores_TK, K, rows_row_of_pair=rows_row_of_pair), grad_scores

@@ -8,10 +8,12 @@ received (expert-major), D model dim, E experts (El on this rank).
 The all_to_all path is ``fused_experts`` with the row exchange in the middle, step for
 step: unscaled token rows (and, with scores applied before the experts, their fp32
 scores) go to the owners; the owners run the gate/up and down GEMMs
-(``expert_rows_forward``, scores applied in the GEMM loads); the output rows come back
-and are summed per token by ``topk_combine``. The backward sends the combine-backward rows out, the owners return
-the rows' input gradients, and the sender sums them (and computes the score gradient)
-with the same kernels. Every value is computed by the same kernel from the same inputs
+(``expert_rows_forward``, scores applied in the GEMM loads), the down GEMM writing its
+rows in arrival order, so they go back as they are; ``topk_combine`` sums them per
+token where they land (send order), without a copy to (token, k) order. The backward
+sends the combine-backward rows out, the owners return the rows' input gradients
+(written in arrival order too), and the sender sums them (and computes the score
+gradient) with the same kernels. Every value is computed by the same kernel from the same inputs
 as on one rank, so the bits do not depend on the EP degree.
 """
 
@@ -40,9 +42,9 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         if score_before:
             scale_R = transport.dispatch(scores_TK.reshape(-1, 1).index_select(0, plan.send_order), plan).reshape(-1)
         counts = device_ints(plan.rows_per_local_expert, x_TD.device)
-        y_RD, state = expert_rows_forward(rows_RD, scale_R, counts, w1, w2, w3, tiles)
-        y_PD = transport.combine(y_RD, plan).index_select(0, plan.send_order_inverse)  # (token, k) order
-        out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
+        y_AD, state = expert_rows_forward(rows_RD, scale_R, counts, w1, w2, w3, tiles, target_row=plan.row_to_arrival)
+        y_PD = transport.return_arrived(y_AD, plan)  # send order
+        out_TD = topk_combine(y_PD, None if score_before else scores_TK, K, rows_row_of_pair=plan.send_order_inverse)
         ctx.save_for_backward(x_TD, scores_TK, y_PD, hold_for_backward(state))
         ctx.plan, ctx.transport, ctx.tiles, ctx.score_before = plan, transport, tiles, score_before
         return out_TD
@@ -54,14 +56,15 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         K = scores_TK.shape[1]
         grad_out_TD = grad_out_TD.contiguous()
         grad_y_sent_PD, grad_scores = topk_combine_bwd(grad_out_TD, y_PD, None if before else scores_TK, K,
-                                                       row_of_pair=plan.send_order_inverse)  # in send order
+                                                       row_of_pair=plan.send_order_inverse,
+                                                       rows_row_of_pair=plan.send_order_inverse)  # send order
         state = take_for_backward(handle)
         state.grad_y = transport.dispatch(grad_y_sent_PD, plan)
         del grad_y_sent_PD
 
-        def tokens_back(d_rows_RD):  # the rows' input gradients back to their senders, then to tokens
-            d_rows_PD = transport.combine(d_rows_RD, plan).index_select(0, plan.send_order_inverse)
-            return tokens_input_grad(d_rows_PD, x_TD, scores_TK, before)
+        def tokens_back(d_rows_AD):  # the rows' input gradients (arrival order) back to their senders, then to tokens
+            d_rows_PD = transport.return_arrived(d_rows_AD, plan)  # send order
+            return tokens_input_grad(d_rows_PD, x_TD, scores_TK, before, rows_row_of_pair=plan.send_order_inverse)
 
         (grad_x, grad_scores_before), grad_w1, grad_w2, grad_w3 = expert_rows_backward(state, ctx.tiles, tokens_back)
         grad_scores = grad_scores_before if before else grad_scores

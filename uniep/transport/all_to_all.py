@@ -56,5 +56,10 @@ class AllToAllTransport:
         return permute_rows(arrived, plan.row_to_arrival, plan.arrival_to_row)
 
     def combine(self, rows_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        by_source = permute_rows(rows_RD, plan.arrival_to_row, plan.row_to_arrival)
-        return _Exchange.apply(by_source, plan.send_splits, plan.recv_splits, self.group)
+        return self.return_arrived(permute_rows(rows_RD, plan.arrival_to_row, plan.row_to_arrival), plan)
+
+    def return_arrived(self, rows_AD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """Rows in arrival order (source-major, as ``dispatch`` received them before its
+        permutation; a GEMM can write its output rows there) back to their senders, in
+        send order: ``combine`` without its permutation."""
+        return _Exchange.apply(rows_AD, plan.send_splits, plan.recv_splits, self.group)
