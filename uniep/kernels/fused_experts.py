@@ -25,7 +25,7 @@ An autograd function, which a UniEP layer calls directly, or under torch.compile
 its ``uniep::routed_experts`` custom op (``uniep.routed_op``). The activations wait for
 the backward in ``uniep.backward_state``, where activation checkpointing can drop them.
 
-``score_before_experts`` scales each gathered x row by its score (fp32, rounded to the
+``score_before_experts`` scales each copied x row by its score (fp32, rounded to the
 input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
 """
 
