@@ -229,7 +229,8 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     assert parts["_router_select_kernel"][0] == parts["_router_select_backward_kernel"][0] == 1.0
     assert parts["_row_tiles_kernel"][0] == 1.0  # the row-tile schedule, once per forward
     assert parts["_expert_order_kernel"][0] == 1.0  # the routing's counts and send order
-    assert "Triton launches, 16.0 per call" in out
+    assert parts["_replicate_rows_kernel"][0] == 1.0  # the token rows copied to plan order
+    assert "Triton launches, 17.0 per call" in out
 
     import host_time
     import triton.runtime.jit as jit

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from uniep.paths.megakernel import Launch, Schedule, _MegakernelExperts, schedule_of
-from uniep.plan import algorithm1_rows, local_counts
+from uniep.plan import algorithm1_rows, inverse_permutation, local_counts
 from uniep.transport.all_to_all import exchange_rows, gather_counts
 from uniep.transport.peer_buffers import PeerBuffers, SymmetricAllocator
 from uniep.transport.sends import Sends, owner_rows, sends_to_owners
@@ -85,7 +85,6 @@ class RelayLegs:
         E, El = num_experts, num_experts // W
         me, node, local = layout.ep_rank, layout.node, layout.local_rank
         T, K = topk_TK.shape
-        device = topk_TK.device
         self.group, self.node = layout.group, node
 
         # table[s][E + n]: tokens rank s sends to node n.
@@ -124,9 +123,7 @@ class RelayLegs:
         self.pair_slots = torch.where(present, torch.cumsum(present, 0) - 1, -1).to(torch.int32)
         """(T_r * K,) int32: each relayed pair's return slot, -1 for another node's pairs."""
         # Pairs come home node-major, then (token, k): put them back in (token, k) order.
-        arrival = torch.argsort(node_TK.reshape(-1), stable=True)
-        self._home_order = torch.empty_like(arrival)
-        self._home_order[arrival] = torch.arange(arrival.numel(), device=device)
+        self._home_order = inverse_permutation(torch.argsort(node_TK.reshape(-1), stable=True))
 
     def to_senders(self, t_TD: torch.Tensor) -> torch.Tensor:
         """(T_r, D): this rank's relayed rows of a per-token tensor of every source."""
