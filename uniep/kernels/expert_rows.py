@@ -10,10 +10,11 @@ E local experts.
 where ``s`` is each row's score when scores are applied before the experts (rounded to
 the rows' dtype after scaling), else 1. The input rows come in plan order (the caller
 copies token rows there once: the copy engine (TMA) loads contiguous rows but cannot
-gather, and the gate/up launch and the w1/w3 gradient both read them). Outputs may be scattered
-(``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair) inside the
-kernels; the output gradient is read in plan order and the input-row gradient written
-in ``y``'s layout. The plain-PyTorch reference is ``uniep.experts.expert_mlp_torch``.
+gather, and the gate/up launch and the w1/w3 gradient both read them). Outputs may be
+scattered (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair or its
+arrival row) inside the kernels; the output gradient is read in plan order and the
+input-row gradient written in ``y``'s layout. The plain-PyTorch reference is
+``uniep.experts.expert_mlp_torch``.
 
 The backward (``expert_rows_backward``) runs its launches in the order that keeps
 the least memory alive, and releases each temporary once used: the down input
