@@ -84,5 +84,6 @@ def test_inverse_permutation():
     order = torch.tensor([2, 0, 3, 1])
     inverse = inverse_permutation(order)
     assert inverse.tolist() == [1, 3, 0, 2]
+    assert torch.equal(inverse_permutation(order, size_varies=True), inverse)
     assert torch.equal(order[inverse], torch.arange(4)) and torch.equal(inverse[order], torch.arange(4))
     assert not torch.equal(order[order], torch.arange(4))  # the permutation is not its own inverse

@@ -97,9 +97,12 @@ def cached_range(n: int, *, device: torch.device, dtype: torch.dtype) -> torch.T
     return torch.arange(n, device=device, dtype=dtype)
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """The inverse of the permutation ``order`` of 0..n-1: ``inverse[order[i]] = i``."""
-    make = torch.arange if torch.compiler.is_compiling() else cached_range
+def inverse_permutation(order: torch.Tensor, *, size_varies: bool = False) -> torch.Tensor:
+    """The inverse of the permutation ``order`` of 0..n-1: ``inverse[order[i]] = i``.
+    The range 0..n-1 is made once per n (``cached_range``), unless ``size_varies``: n
+    changes from call to call (as the rows a rank receives), and a cached range per n
+    would hold device memory for sizes that do not come back."""
+    make = torch.arange if size_varies or torch.compiler.is_compiling() else cached_range
     return torch.empty_like(order).index_copy_(0, order, make(order.numel(), device=order.device, dtype=order.dtype))
 
 
@@ -173,7 +176,7 @@ def build_plan(
     arrival_to_row = torch.repeat_interleave(
         seg_dest_start - seg_arrival_start, seg_counts, output_size=R
     ) + torch.arange(R, device=device)
-    row_to_arrival = inverse_permutation(arrival_to_row)
+    row_to_arrival = inverse_permutation(arrival_to_row, size_varies=True)
 
     return RoutingPlan(
         num_experts=num_experts,
