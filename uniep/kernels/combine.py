@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 
 
 @triton.jit
@@ -120,7 +120,7 @@ combine backward 0.83 against 0.98 ms at 8192 tokens, K = 8; benchmarks/RESULTS.
 
 
 def _block_d(D: int) -> int:
-    return min(2048, triton.next_power_of_2(D))
+    return min(2048, next_power_of_2(D))
 
 
 def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int,

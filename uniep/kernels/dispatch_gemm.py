@@ -48,7 +48,7 @@ from uniep.kernels.grouped_gemm import (
     pair_buffer,
     programs_per_sm,
 )
-from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 from uniep.kernels.row_tiles import tile_coords
 
 
@@ -214,8 +214,8 @@ def dispatch_gemm(
         N, Kd, w_E.shape[0], owner_rows.experts_per_rank, peers.world * peers.tokens_cap,
         s_be, s_bk, s_bn, c.stride(0), aux[0].stride(0),
         MODE=mode, PUSH_META=push_meta, HAS_SCALE=scale_rows,
-        K=K, KP=triton.next_power_of_2(K), SENDS_PER_TASK=sends_per_task,
-        BLOCK_D=min(256, triton.next_power_of_2(D)),
+        K=K, KP=next_power_of_2(K), SENDS_PER_TASK=sends_per_task,
+        BLOCK_D=min(256, next_power_of_2(D)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(x_TD.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

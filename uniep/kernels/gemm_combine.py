@@ -40,7 +40,7 @@ from uniep.kernels.grouped_gemm import (
     dot_precision,
     programs_per_sm,
 )
-from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 from uniep.kernels.row_tiles import tile_coords
 
 
@@ -180,8 +180,8 @@ def gemm_combine(
         peers.local("ret"), peers.local("ret_flag"), weights if weights is not None else out, out,
         pair_slots if relay else counter, combine_src, combine_t0, sends.token_base, sends.token_count,
         combine_src.numel(), peers.pairs_cap, peers.rank0, max_spins,
-        MODE=mode, K=K, KP=triton.next_power_of_2(K), HAS_W=weights is not None, RELAY=relay,
-        TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, triton.next_power_of_2(N)),
+        MODE=mode, K=K, KP=next_power_of_2(K), HAS_W=weights is not None, RELAY=relay,
+        TOKENS_PER_TASK=tokens_per_task, BLOCK_D=min(256, next_power_of_2(N)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SCOPE=peers.flag_scope, DOT_PRECISION=dot_precision(a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

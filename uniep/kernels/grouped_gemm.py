@@ -61,8 +61,10 @@ def shared_memory_bytes(block_m, block_n, block_k, num_stages, elem_bytes, a_til
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def smem_limit(device: torch.device) -> int:
-    """Shared memory one program may use on ``device``."""
+    """Shared memory one program may use on ``device`` (asked once per device: each
+    launch's tile fitting asks)."""
     if device.type != "cuda":
         return H200_SMEM_PER_BLOCK
     props = torch.cuda.get_device_properties(device)
@@ -482,6 +484,7 @@ def _grouped_gemm_kernel(
         e, row0, row_end = next_e, next_row0, next_row_end
 
 
+@functools.lru_cache(maxsize=None)
 def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mode: int = PLAIN) -> int:
     """As many programs per SM as fit, up to 3: their pipeline stages in shared memory and
     their registers in the 64K-register file (per thread the fp32 accumulators, two in

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 
 _ROWS = 16  # tokens per program
 
@@ -131,7 +131,7 @@ def _router_select_backward_kernel(logits_ptr, idx_ptr, grad_top_ptr, grad_logit
 
 def _meta(logits_TE: torch.Tensor, top_k: int) -> dict:
     E = logits_TE.shape[1]
-    return dict(K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), ROWS=_ROWS,
+    return dict(K=top_k, KP=next_power_of_2(top_k), BLOCK_E=next_power_of_2(E), ROWS=_ROWS,
                 num_warps=4)
 
 

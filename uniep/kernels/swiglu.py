@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.launch import cdiv, launcher
+from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 
 _BLOCK = 2048  # elements per program
 
@@ -108,7 +108,7 @@ def swiglu_backward(g: torch.Tensor, a1: torch.Tensor, a3: torch.Tensor, d_a1: t
     if n:
         R, H = g.shape
         strided = R > 1 and d_a1.stride(0) != H
-        block_h = min(_BLOCK, 128, triton.next_power_of_2(H))
+        block_h = min(_BLOCK, 128, next_power_of_2(H))
         grid = (cdiv(R, _BLOCK // block_h), cdiv(H, block_h)) if strided else (cdiv(n, _BLOCK),)
         launcher(_swiglu_backward_kernel)[grid](g, a1, a3, d_a1, d_a3, n, R, H, d_a1.stride(0), STRIDED_OUT=strided,
                                                 BLOCK=_BLOCK, BLOCK_H=block_h, num_warps=8)
