@@ -61,10 +61,8 @@ def shared_memory_bytes(block_m, block_n, block_k, num_stages, elem_bytes, a_til
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def smem_limit(device: torch.device) -> int:
-    """Shared memory one program may use on ``device`` (asked once per device: each
-    launch's tile fitting asks)."""
+    """Shared memory one program may use on ``device``."""
     if device.type != "cuda":
         return H200_SMEM_PER_BLOCK
     props = torch.cuda.get_device_properties(device)
