@@ -10,8 +10,9 @@ them (on CUDA the backward runs on the autograd engine's device thread, which pr
 of the main thread do not follow). Prints milliseconds per forward+backward, inclusive
 (a part contains the parts indented below it), then the host time to issue one call and
 the time until the device has finished it. Nothing inside the calls synchronizes; a
-part's time is host time only. ``--python N``: then as many calls again under cProfile,
-the backward on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
+part's time is host time only. Python's automatic garbage collection is paused while
+they run, as in bench_moe's timers and TorchTitan's training steps. ``--python N``:
+then as many calls again under cProfile, the backward on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
 cProfile does not see autograd's device threads), and the ``N`` Python functions with
 the most self time: microseconds per call, self and inclusive, and calls per call (which
 functions to make cheaper; the profiler's own cost is in these times, not in the timers
@@ -31,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES, build_layers  # noqa: E402
+
+from uniep.tune.measure import garbage_collector_paused  # noqa: E402
 
 
 class HostTimers:
@@ -95,7 +98,7 @@ def python_profile(step, calls: int, top: int) -> list[tuple[str, float, float, 
     import pstats
 
     profiler = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):
+    with torch.autograd.set_multithreading_enabled(False), garbage_collector_paused():
         profiler.enable()
         try:
             for _ in range(calls):
@@ -143,13 +146,14 @@ def main() -> None:
     timers.calls.clear()
     rows = instrument(timers, layer)
     try:
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            step()
-        issue_ms = (time.perf_counter() - start) / args.calls * 1e3
-        sync()
-        finish_ms = (time.perf_counter() - start) / args.calls * 1e3
+        with garbage_collector_paused():
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                step()
+            issue_ms = (time.perf_counter() - start) / args.calls * 1e3
+            sync()
+            finish_ms = (time.perf_counter() - start) / args.calls * 1e3
     finally:
         timers.unwrap()
     print(f"{args.shape} on {args.device}: host ms per forward+backward, inclusive, over {args.calls} calls")
