@@ -12,8 +12,9 @@ of the main thread do not follow). Prints milliseconds per forward+backward, inc
 the time until the device has finished it. Nothing inside the calls synchronizes; a
 part's time is host time only. Python's automatic garbage collection is paused while
 they run, as in bench_moe's timers and TorchTitan's training steps. ``--python N``:
-then as many calls again under cProfile, the backward on the calling thread (``torch.autograd.set_multithreading_enabled(False)``;
-cProfile does not see autograd's device threads), and the ``N`` Python functions with
+then as many calls again under cProfile, the backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``; cProfile does not see autograd's
+device threads), and the ``N`` Python functions with
 the most self time: microseconds per call, self and inclusive, and calls per call (which
 functions to make cheaper; the profiler's own cost is in these times, not in the timers
 above). ``--device cpu`` runs the Triton interpreter on a tiny shape (tests the script;
