@@ -45,12 +45,17 @@ def row_blocks(rows: int, block: int) -> list[slice]:
 def blocked_mm(a_pad: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out = a_pad @ b (+ bias)`` one block of ``block`` rows at a time, each written into
-    its rows of ``out`` (``a_pad``'s rows a multiple of ``block``)."""
-    for rows in row_blocks(a_pad.shape[0], block):
+    its rows of ``out`` (``a_pad``'s rows a multiple of ``block``). One block is one call
+    on the whole tensors (the same shapes, without the slicing ops' host time)."""
+    if a_pad.shape[0] == block:
+        pairs = [(a_pad, out)]
+    else:
+        pairs = [(a_pad[rows], out[rows]) for rows in row_blocks(a_pad.shape[0], block)]
+    for a, a_out in pairs:
         if bias is None:
-            torch.mm(a_pad[rows], b, out=out[rows])
+            torch.mm(a, b, out=a_out)
         else:
-            torch.addmm(bias, a_pad[rows], b, out=out[rows])
+            torch.addmm(bias, a, b, out=a_out)
     return out
 
 
@@ -60,7 +65,8 @@ def blocked_linear(x_TD: torch.Tensor, weight_ND: torch.Tensor, bias_N: torch.Te
     into one output (no cat)."""
     x_pad = padded_to_blocks(x_TD.contiguous(), block)
     out = x_pad.new_empty(x_pad.shape[0], weight_ND.shape[0])
-    return blocked_mm(x_pad, weight_ND.t(), out, block, bias_N)[:x_TD.shape[0]]
+    out = blocked_mm(x_pad, weight_ND.t(), out, block, bias_N)
+    return out if x_pad.shape[0] == x_TD.shape[0] else out[:x_TD.shape[0]]
 
 
 def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND: torch.Tensor, has_bias: bool,
@@ -71,7 +77,8 @@ def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND
     grad_pad = padded_to_blocks(grad_TN.contiguous(), block)
     grad_x = blocked_mm(grad_pad, weight_ND, x_TD.new_empty(grad_pad.shape[0], x_TD.shape[1]), block)
     grad_w = grad_TN.t().mm(x_TD)
-    return grad_x[:x_TD.shape[0]], grad_w, grad_TN.sum(0) if has_bias else None
+    grad_x = grad_x if grad_pad.shape[0] == x_TD.shape[0] else grad_x[:x_TD.shape[0]]
+    return grad_x, grad_w, grad_TN.sum(0) if has_bias else None
 
 
 def in_fixed_row_blocks(

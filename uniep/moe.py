@@ -281,10 +281,10 @@ class UniEPMoE(nn.Module):
         # (traced under torch.compile, which sees no Triton launch of ours outside a custom op)
         order_of = expert_order if torch.compiler.is_compiling() else self._expert_order
         counts_E, order_P = order_of(topk_idx_TK, self.num_experts)
+        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
+        # after the experts' launches: the device waits for their first GEMM, not for this
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)
-
-        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
         if shared is not None:
             out_TD = shared.finish(self.shared_experts, pending, out_TD)
         return out_TD.view(B, S, D)

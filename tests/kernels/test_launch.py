@@ -128,3 +128,67 @@ def test_cdiv_and_next_power_of_2_match_tritons():
     sizes = (1, 2, 3, 7, 8, 9, 128, 129, 768, 2048, 7168)
     assert [launch.next_power_of_2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
     assert launch.next_power_of_2(0) == 1
+
+
+class FakeCudaLauncher:
+    """Triton 3.6's CudaLauncher as the direct launch reads it: its settings and its
+    native ``launch``; calling the object itself is what the direct launch skips."""
+
+    def __init__(self, global_scratch=0, profile_scratch=0):
+        self.launch_cooperative_grid, self.launch_pdl, self.num_ctas = False, True, 2
+        self.global_scratch_size, self.global_scratch_align = global_scratch, 128
+        self.profile_scratch_size, self.profile_scratch_align = profile_scratch, 64
+        self.launches = []
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, *args):
+        raise AssertionError("the direct launch calls the native launch function, not the launcher object")
+
+
+def _compiled_with(run):
+    kernel = FakeCompiled("k")
+    kernel.run = run
+    return kernel
+
+
+def test_direct_call_passes_the_launchers_arguments_in_its_order():
+    run = FakeCudaLauncher()
+    call = launch.direct_call(_compiled_with(run))
+    assert isinstance(call, launch.DirectCall)
+    call((5, 3), 1234, ["x", 64])
+    call((7,), 1234, ["y", 32])
+    # grid, stream, function, cooperative, pdl, global and profile scratch, packed
+    # metadata, launch metadata, enter and exit hooks, then the kernel's arguments
+    assert run.launches == [(5, 3, 1, 1234, "function:k", False, True, None, None, "meta:k", None, None, None, "x", 64),
+                            (7, 1, 1, 1234, "function:k", False, True, None, None, "meta:k", None, None, None, "y", 32)]
+
+
+def test_direct_call_allocates_each_scratch_for_every_program(monkeypatch):
+    allocations = []
+
+    def allocate(size, align, stream):
+        allocations.append((size, align, stream))
+        return f"buffer{len(allocations)}"
+
+    monkeypatch.setattr(launch._allocation, "_profile_allocator", launch._allocation._AllocatorWrapper(allocate))
+    token = launch._allocation._allocator.set(allocate)  # what triton.set_allocator sets
+    try:
+        run = FakeCudaLauncher(global_scratch=256, profile_scratch=16)
+        launch.direct_call(_compiled_with(run))((3, 2), 99, ["x"])
+    finally:
+        launch._allocation._allocator.reset(token)
+    # 3 x 2 programs of 2 CTAs each; the global scratch first, then the profile scratch
+    assert allocations == [(3 * 2 * 2 * 256, 128, 99), (3 * 2 * 2 * 16, 64, 99)]
+    assert run.launches[0][7:9] == ("buffer1", "buffer2")
+
+
+def test_a_launcher_without_cuda_fields_is_called_as_the_jit_would():
+    """Negative control of the fields check: a launcher lacking the native launch
+    function is called itself, with the JIT's arguments."""
+    kernel = FakeCompiled("k")
+    call = launch.direct_call(kernel)
+    assert not isinstance(call, launch.DirectCall)
+    call((4,), 1234, ["x", 8])
+    assert kernel.runs == [(4, 1, 1, 1234, "function:k", "meta:k", None, None, None, "x", 8)]

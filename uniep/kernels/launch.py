@@ -13,11 +13,12 @@ launch hooks, global checks; benchmarks/RESULTS.md has the measured costs).
 
 The direct launch uses Triton internals whose layout is checked only for the versions
 in ``DIRECT_LAUNCH_TRITON``; on others, under the interpreter (``TRITON_INTERPRET=1``)
-and while a launch hook is set (profilers), every launch goes through the JIT.
-
-Host-side sizes use ``cdiv`` and ``next_power_of_2`` here, plain integer functions:
-Triton 3.6's are constexpr functions, each host call a few microseconds of argument
-unwrapping.
+and while a launch hook is set (profilers), every launch goes through the JIT. It also
+calls the compiled kernel's native launch function itself, allocating the kernel's
+global and profile scratch as Triton's launcher object would, without that object's
+per-call closures. Host-side sizes use ``cdiv`` and ``next_power_of_2`` here, plain
+integer functions: Triton 3.6's are constexpr functions, each host call a few
+microseconds of argument unwrapping.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import functools
 import torch
 import triton
 from triton import knobs
-from triton.runtime.driver import driver
+from triton.runtime import _allocation
 
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose JIT internals the direct launch was checked against."""
@@ -100,13 +101,67 @@ class CachedLaunch:
             return self.fn[grid](*args, **kwargs)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
-            self._compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            self._compiled[key] = direct_call(kernel.result() if hasattr(kernel, "result") else kernel)
             return kernel
+        return kernel(grid, stream, bound.values())
+
+
+class DirectCall:
+    """A compiled kernel started through its launcher's native launch function: what
+    Triton 3.6's ``CudaLauncher.__call__`` does, its settings read once."""
+
+    def __init__(self, kernel):
+        run = kernel.run
+        self.kernel = kernel
+        self._launch = run.launch
+        self._function, self._cooperative, self._pdl = kernel.function, run.launch_cooperative_grid, run.launch_pdl
+        self._metadata = (kernel.packed_metadata, None, None, None)  # metadata, launch metadata, enter/exit hooks
+        scratch = ((run.global_scratch_size, run.global_scratch_align, _allocation._allocator),
+                   (run.profile_scratch_size, run.profile_scratch_align, _allocation._profile_allocator))
+        self._scratch = scratch if any(size for size, _, _ in scratch) else None
+        self._ctas = run.num_ctas
+
+    def _allocate(self, programs: int, stream: int) -> list:
+        """(global scratch, profile scratch): ``size`` bytes per program, None where 0."""
+        return [None if size == 0 else allocator.get()(programs * self._ctas * size, align, stream)
+                for size, align, allocator in self._scratch]
+
+    def __call__(self, grid: tuple[int, ...], stream: int, args) -> None:
+        grid_x = grid[0]
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], grid_y, grid_z, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *bound.values())
-        return kernel
+        scratch = _NO_SCRATCH if self._scratch is None else self._allocate(grid_x * grid_y * grid_z, stream)
+        self._launch(grid_x, grid_y, grid_z, stream, self._function, self._cooperative, self._pdl, *scratch,
+                     *self._metadata, *args)
+
+
+_NO_SCRATCH = (None, None)
+
+
+class _RunCall:
+    """A compiled kernel whose launcher is not Triton 3.6's ``CudaLauncher``: started
+    through ``kernel.run``, the launcher object itself."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid: tuple[int, ...], stream: int, args) -> None:
+        k = self.kernel
+        k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, k.function,
+              k.packed_metadata, None, None, None, *args)
+
+
+_LAUNCHER_FIELDS = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "global_scratch_align",
+                    "profile_scratch_size", "profile_scratch_align", "num_ctas")
+
+
+def direct_call(kernel) -> DirectCall | _RunCall:
+    """How a compiled kernel is started directly: its native launch function where its
+    launcher has Triton 3.6's ``CudaLauncher`` fields, else the launcher object."""
+    run = kernel.run
+    if all(hasattr(run, name) for name in _LAUNCHER_FIELDS):
+        return DirectCall(kernel)
+    return _RunCall(kernel)
 
 
 def compiled_kernels() -> dict[tuple, str]:
@@ -115,7 +170,8 @@ def compiled_kernels() -> dict[tuple, str]:
     decides how many programs fit an SM). Empty where launches go through the JIT."""
     lines = {}
     for cached in _LAUNCHERS.values():
-        for key, kernel in cached._compiled.items():
+        for key, call in cached._compiled.items():
+            kernel = call.kernel
             meta = kernel.metadata
             constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
             names = getattr(cached.fn, "arg_names", [])
@@ -128,9 +184,11 @@ def compiled_kernels() -> dict[tuple, str]:
 
 
 def _device_and_stream() -> tuple[int, int]:
-    """The current device and its current stream, as the JIT launches on them."""
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
+    """The current device and its current stream, as the JIT launches on them (the
+    functions Triton's CUDA driver calls, without its lazy-initialization checks: a
+    direct launch follows a first launch through the JIT)."""
+    device = torch._C._cuda_getDevice()
+    return device, torch._C._cuda_getCurrentRawStream(device)
 
 
 def _launch_hooks_set() -> bool:
