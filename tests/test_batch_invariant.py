@@ -1,6 +1,7 @@
 """Router scores and shared experts give each token the same bits whatever the number of
 rows around it (what expert parallelism needs: the batch is split across ranks); the
-gate's one-buffer row blocks (``blocked_linear``) against ``nn.Linear``."""
+one-buffer row blocks (``blocked_mm``) and the gate's backward on them
+(``blocked_linear_backward``) against ``nn.Linear``."""
 
 import pytest
 import torch
@@ -8,10 +9,19 @@ import torch
 from uniep import UniEPMoE
 from uniep.batch_invariant import (
     DEFAULT_ROWS_PER_BLOCK,
-    blocked_linear,
     blocked_linear_backward,
+    blocked_mm,
     in_fixed_row_blocks,
+    padded_to_blocks,
 )
+
+
+def blocked_linear(x_TD, weight_ND, bias_N, block):
+    """``x @ weight^T + bias`` on fixed row blocks written into one buffer (as the shared
+    experts compute the router's logits)."""
+    x_pad = padded_to_blocks(x_TD, block)
+    return blocked_mm(x_pad, weight_ND.t(), x_pad.new_empty(x_pad.shape[0], weight_ND.shape[0]), block,
+                      bias_N)[:x_TD.shape[0]]
 
 
 @pytest.mark.parametrize("fused_router", [False, True])

@@ -69,10 +69,10 @@ def test_values_and_gradients_of_the_module(tokens):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [DEFAULT_ROWS_PER_BLOCK, 37])
 def test_the_routers_logits_and_their_gradients(tokens, bias):
-    """With a gate: its logits have the bits of the router's own blocked GEMM, and a
+    """With a gate: its logits have the bits of the gate's GEMM on fixed row blocks, and a
     loss through them (here a weighted sum) gives x, the gate (and its bias) the
     gradients of the module's (float64 reference, the module in float32 as the yardstick)."""
-    from uniep.batch_invariant import blocked_linear
+    from uniep.batch_invariant import blocked_mm, padded_to_blocks
 
     ffn = _ffn()
     torch.manual_seed(1)
@@ -94,7 +94,10 @@ def test_the_routers_logits_and_their_gradients(tokens, bias):
 
     got, module = run(True, torch.float32), run(False, torch.float32)
     with torch.no_grad():
-        assert torch.equal(got[0], blocked_linear(x, gate.weight, gate.bias, DEFAULT_ROWS_PER_BLOCK))
+        x_pad = padded_to_blocks(x, DEFAULT_ROWS_PER_BLOCK)
+        blocked = blocked_mm(x_pad, gate.weight.t(), x_pad.new_empty(x_pad.shape[0], 6), DEFAULT_ROWS_PER_BLOCK,
+                             gate.bias)
+        assert torch.equal(got[0], blocked[:tokens])
     for m in (ffn, gate):
         m.double()
     ref = run(False, torch.float64)

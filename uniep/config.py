@@ -142,8 +142,9 @@ class UniEPConfig:
     torch.compile): its GEMMs overlap the routed path's memory-bound launches
     (``uniep.streams``). Its backward sums onto their input gradient, so it follows
     them. The router then computes its own logits (on one stream the shared experts'
-    launches do, ``uniep.shared_experts``), which changes the bits of the input gradient
-    and of the gate's weight gradient. On one H200 the layer ran no faster, measured
+    launches do, ``uniep.shared_experts``), in its own launch, whose dot products round
+    differently from the GEMM's: that changes the bits of the logits and of everything
+    after them. On one H200 the layer ran no faster, measured
     when the whole shared forward and backward ran on that stream (the kernels side by
     side slowed each other as much as they overlapped; benchmarks/RESULTS.md)."""
 

@@ -26,8 +26,8 @@ class TopKRouter(nn.Module):
     eligible (node-limited routing).
 
     ``fused`` (set by the layer where its experts run on Triton; not with node-limited
-    groups): the gate on row blocks into one buffer, then scores, choice and their
-    backward in one launch each, eagerly and compiled alike (``uniep.router_op``).
+    groups): the gate's logits, scores and choice in one launch, their backward in one
+    launch and two GEMMs, eagerly and compiled alike (``uniep.router_op``).
     Otherwise PyTorch ops in TorchTitan's order.
     """
 

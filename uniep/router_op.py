@@ -3,12 +3,13 @@ eagerly an autograd function; under torch.compile the opaque custom ops
 ``uniep::router_choice`` and ``uniep::router_choice_bwd``. Both run the same launches in
 the same order, so a compiled layer keeps the eager bits.
 
-Forward: the gate's logits on fixed row blocks, each written into one buffer
-(``batch_invariant.blocked_linear``), then scores, choice, route norm and scale in one
-launch (``kernels.router_select``). Backward: the logits' gradient in one launch, the
-input gradient on the same row blocks, the gate's weight gradient in one GEMM.
-``choice_of_logits`` is the choice alone, for a layer whose shared experts compute the
-logits with their own GEMMs, and its input and weight gradients with theirs.
+Forward: the gate's logits, scores, choice, route norm and scale in one launch
+(``kernels.router_select.router_gate_select``; each token's logits one dot product per
+expert, so its bits do not depend on the batch). Backward: the logits' gradient in one
+launch, the input gradient on fixed row blocks (``batch_invariant``), the gate's weight
+gradient in one GEMM. ``choice_of_logits`` is the choice alone, for a layer whose
+shared experts compute the logits with their own GEMMs, and its input and weight
+gradients with theirs.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token.
 """
@@ -18,15 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from uniep.batch_invariant import blocked_linear, blocked_linear_backward, rows_per_block
-from uniep.kernels.router_select import router_select_backward, router_select_forward
+from uniep.batch_invariant import blocked_linear_backward, rows_per_block
+from uniep.kernels.router_select import router_gate_select, router_select_backward, router_select_forward
 
 
-def _forward(x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale, block):
-    logits_TE = blocked_linear(x_TD, weight_ED, bias_E, block)
-    top_TK, idx_TK = router_select_forward(logits_TE, top_k, sigmoid=sigmoid, route_norm=route_norm,
-                                           route_scale=route_scale, expert_bias_E=expert_bias_E, topk_idx_TK=given_TK)
-    return top_TK, idx_TK, logits_TE
+def _forward(x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale):
+    return router_gate_select(x_TD, weight_ED, bias_E, top_k, sigmoid=sigmoid, route_norm=route_norm,
+                              route_scale=route_scale, expert_bias_E=expert_bias_E, topk_idx_TK=given_TK)
 
 
 def _backward(grad_top_TK, x_TD, weight_ED, logits_TE, idx_TK, has_bias, sigmoid, route_norm, route_scale, block):
@@ -40,7 +39,7 @@ class _RouterChoice(torch.autograd.Function):
     def forward(ctx, x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale,
                 block):
         top_TK, idx_TK, logits_TE = _forward(x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid,
-                                             route_norm, route_scale, block)
+                                             route_norm, route_scale)
         ctx.save_for_backward(x_TD, weight_ED, logits_TE, idx_TK)
         ctx.settings = (bias_E is not None, sigmoid, route_norm, route_scale, block)
         ctx.mark_non_differentiable(idx_TK)
@@ -59,7 +58,7 @@ def _router_choice(
     given_TK: torch.Tensor | None, top_k: int, sigmoid: bool, route_norm: bool, route_scale: float, block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(top scores, expert ids, logits: kept for the backward)."""
-    return _forward(x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale, block)
+    return _forward(x_TD, weight_ED, bias_E, expert_bias_E, given_TK, top_k, sigmoid, route_norm, route_scale)
 
 
 @_router_choice.register_fake
@@ -123,9 +122,9 @@ class _ChoiceOfLogits(torch.autograd.Function):
 def choice_of_logits(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, route_norm: bool, route_scale: float,
                      expert_bias_E: torch.Tensor | None = None,
                      topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`router_choice` from logits that another launch computed with the gate's
-    GEMM on the same row blocks (the shared experts' first half,
-    ``uniep.shared_experts``), differentiable in them; eagerly only."""
+    """:func:`router_choice`'s choice of logits that other launches computed (the shared
+    experts' first half, ``uniep.shared_experts``, with the gate's GEMM on fixed row
+    blocks), differentiable in them; eagerly only."""
     return _ChoiceOfLogits.apply(logits_TE, expert_bias_E, topk_idx_TK, top_k, sigmoid, route_norm, float(route_scale))
 
 

@@ -11,8 +11,8 @@ A layer with shared experts calls them twice, around its router and routed exper
 
 - ``shared_hidden`` first (its GEMMs keep the device busy while the host issues the
   router's small ops): h = silu(a1) * a3 with a1 = x w1^T, a3 = x w3^T, and, given the
-  fused router's gate, its logits l = x g^T (the router's own blocked GEMM, so its
-  bits), which the router then only turns into its choice (``router_op.choice_of_logits``).
+  fused router's gate, its logits l = x g^T (a GEMM on the same row blocks), which the
+  router then only turns into its choice (``router_op.choice_of_logits``).
   It hands x on, and the routed experts take that x: the gradient they send back
   through it arrives in its backward, which adds ``[d_a1 | d_a3 | d_l] [w1; w3; g]`` onto
   it in place, in the GEMM's epilogue. The SwiGLU backward writes d a1 and d a3 side by
@@ -72,7 +72,7 @@ class _SharedHidden(torch.autograd.Function):
         blocked_mm(x_pad, w1_HD.t(), a[0], block)
         blocked_mm(x_pad, w3_HD.t(), a[1], block)
         h_pad = swiglu_forward(a[0], a[1])
-        # the router's logits: its own blocked GEMM (batch_invariant.blocked_linear's bits)
+        # the router's logits, on the row blocks of the other GEMMs here
         E = 0 if gate_ED is None else gate_ED.shape[0]
         logits_pad = x_pad.new_empty(rows, E)
         if gate_ED is not None:

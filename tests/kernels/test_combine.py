@@ -66,6 +66,24 @@ def test_replicate_rows_is_the_gather_of_the_pairs_tokens(T, K, D):
         replicate_rows(x, K, inverse[1:])
 
 
+def test_replicate_rows_scales_each_copy_by_its_pairs_score():
+    """With scores: copy k of token t is ``x[t] * scale[t, k]`` in fp32, rounded to x's
+    dtype (what the GEMMs read when scores come before the experts); scales given in
+    the other order (k, t) give other rows; a wrong scale dtype is refused."""
+    gen = torch.Generator().manual_seed(7)
+    T, K, D = 6, 3, 40
+    x = torch.randn(T, D, generator=gen).half()  # (the interpreter rounds to bf16 differently from a GPU)
+    scale = torch.rand(T, K, generator=gen)
+    order = torch.randperm(T * K, generator=gen)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(T * K)
+    expected = (x.index_select(0, order // K).float() * scale.reshape(-1)[order, None]).half()
+    assert torch.equal(replicate_rows(x, K, inverse, scale), expected)
+    assert not torch.equal(replicate_rows(x, K, inverse, scale.t().contiguous().view(T, K)), expected)
+    with pytest.raises(ValueError, match="scale_TK must be float32"):
+        replicate_rows(x, K, inverse, scale.double())
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 def test_rows_read_in_another_order(weighted):
     """``rows_row_of_pair``: pair p read from row rows_row_of_pair[p] gives the bits of

@@ -124,6 +124,22 @@ def test_bitwise_repeatable_and_schedule_invariant():
         assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
 
 
+def test_scores_before_the_experts_repeat_bitwise():
+    """Scores applied before the experts (each row copy scaled): twenty forward+backward
+    calls give the same bits, with the allocator's free memory overwritten with NaN
+    bytes between them (scaling A inside the gate/up GEMM's loads gave a few tiles'
+    rows other bits, or inf, from call to call on an H100)."""
+    _, uniep = build(score_before=True)
+    x = torch.randn(2, 1000, 256, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    first = fwd_bwd(uniep, x, grad)
+    assert all(torch.isfinite(t).all() for t in first)
+    for _ in range(20):
+        torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")  # NaN bytes, freed at once
+        again = fwd_bwd(uniep, x, grad)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_few_rows_depth_keeps_the_bits():
     """At 250 rows per expert the row GEMMs run ``gemm_few_rows_num_stages`` deep (the
     default 4, or 2) instead of ``gemm_num_stages``: the same bits."""

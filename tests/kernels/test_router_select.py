@@ -97,6 +97,33 @@ def test_each_token_is_independent_of_the_batch():
             assert torch.equal(a, b), size
 
 
+@pytest.mark.parametrize("with_gate_bias", [False, True])
+def test_the_gate_launch_computes_the_linear_layer_and_each_token_alone(with_gate_bias):
+    """``router_gate_select``'s logits are the gate's ``x @ W^T + b`` (float64), its choice
+    that of ``router_select_forward`` on them, and every output of a token bit for bit
+    the same in a batch of 70 (three programs), 5 or 1 tokens."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(70, 96, dtype=torch.float64, generator=gen)
+    weight = torch.randn(24, 96, dtype=torch.float64, generator=gen) * 0.2
+    gate_bias = torch.randn(24, dtype=torch.float64, generator=gen) if with_gate_bias else None
+    expert_bias = torch.randn(24, generator=gen) * 0.1
+    settings = dict(sigmoid=True, route_norm=True, route_scale=1.5, expert_bias_E=expert_bias)
+
+    def run(rows):
+        return rs.router_gate_select(x[rows], weight, gate_bias, 3, **settings)
+
+    top, idx, logits = whole = run(slice(0, 70))
+    expected = x @ weight.t() + (0 if gate_bias is None else gate_bias)
+    torch.testing.assert_close(logits, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(logits, x @ weight.t().flip(1))  # control: another expert order
+    ref_top, ref_idx = rs.router_select_forward(logits, 3, **settings)
+    assert torch.equal(idx, ref_idx) and torch.equal(top, ref_top)
+    for size in (5, 1):
+        parts = [run(slice(i, min(i + size, 70))) for i in range(0, 70, size)]
+        for a, b in zip(whole, (torch.cat(p) for p in zip(*parts))):
+            assert torch.equal(a, b), size
+
+
 def test_a_replayed_routing_gives_the_choice_s_own_scores():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(20, 16, generator=gen)
@@ -182,18 +209,17 @@ def test_a_gate_with_bias_gets_its_gradient():
 
 @pytest.mark.parametrize("replayed", [False, True])
 def test_the_choice_of_given_logits_is_the_fused_routers(replayed):
-    """Logits computed elsewhere on the same row blocks (the shared experts' launches):
-    the fused router's scores, choice and bits, and the logits' gradient, which the gate's
+    """Logits computed elsewhere (the shared experts' launches): given the fused router's
+    own logits, its scores, choice and bits, and the logits' gradient, which the gate's
     GEMM turns into the router's input gradient. Only the fused router takes them."""
-    from uniep.batch_invariant import DEFAULT_ROWS_PER_BLOCK, blocked_linear
-
     router, x, bias, grad, gen = _fused_router_inputs(6)
     given = torch.randint(0, 16, (21, 1), generator=gen).add(torch.arange(4)).remainder(16) if replayed else None
     xi = x.clone().requires_grad_(True)
     top, idx = router(xi, bias, given)
     top.backward(grad)
     with torch.no_grad():
-        logits = blocked_linear(x, router.gate.weight, router.gate.bias, DEFAULT_ROWS_PER_BLOCK)
+        logits = rs.router_gate_select(x, router.gate.weight, router.gate.bias, 4, sigmoid=router.score_func == "sigmoid",
+                                       route_norm=router.route_norm, route_scale=router.route_scale)[2]
     logits.requires_grad_(True)
     top_of_logits, idx_of_logits = router(x, bias, given, logits_TE=logits)
     top_of_logits.backward(grad)

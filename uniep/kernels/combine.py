@@ -100,9 +100,10 @@ def _topk_combine_bwd_kernel(
 def _replicate_rows_kernel(
     x_ptr,  # (T, D)
     row_of_pair_ptr,  # (T*K,) int64: output row of pair t*K + k
+    scale_ptr,  # (T, K) fp32: pair t*K + k's scale (HAS_SCALE)
     out_ptr,  # (T*K, D)
     D,
-    K: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -110,7 +111,10 @@ def _replicate_rows_kernel(
     row = tl.load(x_ptr + t * D + cols, mask=mask)
     for k in tl.static_range(K):
         out_row = tl.load(row_of_pair_ptr + t * K + k).to(tl.int64)
-        tl.store(out_ptr + out_row * D + cols, row, mask=mask)
+        copy = row
+        if HAS_SCALE:  # in fp32, rounded to the rows' dtype
+            copy = (row.to(tl.float32) * tl.load(scale_ptr + t * K + k)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_row * D + cols, copy, mask=mask)
 
 
 NUM_WARPS = 8
@@ -168,19 +172,26 @@ def topk_combine_bwd(
     return (grad_rows if write_rows else None), grad_w
 
 
-def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor) -> torch.Tensor:
+def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor,
+                   scale_TK: torch.Tensor | None = None) -> torch.Tensor:
     """(T*K, D): token ``t``'s row copied to row ``row_of_pair[t*K + k]`` for each k,
     i.e. ``x.index_select(0, order // K)`` where ``row_of_pair`` is the inverse of the
-    permutation ``order`` (pair ids in the output's row order)."""
+    permutation ``order`` (pair ids in the output's row order); with ``scale_TK`` (T, K)
+    fp32, each copy times its pair's scale in fp32, rounded to x's dtype (the scores
+    applied before the experts, as TorchTitan scales its permuted copy)."""
     if row_of_pair.shape != (x_TD.shape[0] * top_k,):
         raise ValueError(f"replicate_rows: row_of_pair has shape {tuple(row_of_pair.shape)}; "
                          f"expected ({x_TD.shape[0] * top_k},) for {x_TD.shape[0]} tokens and top_k = {top_k}")
+    if scale_TK is not None and (scale_TK.shape != (x_TD.shape[0], top_k) or scale_TK.dtype != torch.float32):
+        raise ValueError(f"replicate_rows: scale_TK must be float32 of shape ({x_TD.shape[0]}, {top_k}); got "
+                         f"{scale_TK.dtype} {tuple(scale_TK.shape)}")
     x_TD = x_TD.contiguous()
     T, D = x_TD.shape
     out = x_TD.new_empty(T * top_k, D)
     if T:
-        launcher(_replicate_rows_kernel)[(T, cdiv(D, _block_d(D)))](x_TD, row_of_pair, out, D, K=top_k,
-                                                                     BLOCK_D=_block_d(D), num_warps=NUM_WARPS)
+        launcher(_replicate_rows_kernel)[(T, cdiv(D, _block_d(D)))](
+            x_TD, row_of_pair, None if scale_TK is None else scale_TK.contiguous(), out, D, K=top_k,
+            HAS_SCALE=scale_TK is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS)
     return out
 
 

@@ -7,8 +7,8 @@ E local experts.
 
     h = silu(s * rows @ w1[e]^T) * (s * rows @ w3[e]^T)        y = h @ w2[e]^T
 
-where ``s`` is each row's score when scores are applied before the experts (rounded to
-the rows' dtype after scaling), else 1. The input rows come in plan order (the caller
+where ``s`` is each row's score when scores are applied before the experts (applied by
+the caller's copy of the rows, rounded to their dtype), else 1. The input rows come in plan order (the caller
 copies token rows there once: the copy engine (TMA) loads contiguous rows but cannot
 gather, and the gate/up launch and the w1/w3 gradient both read them). Outputs may be
 scattered (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair or its
@@ -49,7 +49,6 @@ class ExpertRowsState:
     rows: torch.Tensor | None
     """The input rows in plan order (released after the w1/w3 gradient)."""
     target_row: torch.Tensor | None
-    scale_R: torch.Tensor | None
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """w1, w2, w3 as given (in their own dtypes: a compute-dtype copy is not kept
     between the forward and the backward)."""
@@ -78,7 +77,6 @@ def _in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def expert_rows_forward(
     rows: torch.Tensor,
-    scale_R: torch.Tensor | None,
     rows_per_expert_E: torch.Tensor,
     w1_EHD: torch.Tensor,
     w2_EDH: torch.Tensor,
@@ -89,16 +87,16 @@ def expert_rows_forward(
 ) -> tuple[torch.Tensor, ExpertRowsState]:
     """(y, state): ``rows`` (R, D) in plan order; y has R rows (plan order, or scattered
     to ``target_row``). ``rows_per_expert_E`` (E,) int64 on the device; ``target_row``
-    (R,) int32 or int64, or None (plan order); ``scale_R`` (R,) fp32 or None."""
+    (R,) int32 or int64, or None (plan order)."""
     R = rows.shape[0]
     w1, w2, w3 = (_in_dtype(w, rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
     schedule = row_tiles(rows_per_expert_E, tiles.gemm.block_m, R)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
     h, a1, a3 = grouped_gemm(rows, w1, schedule, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
-                             w2_E=w3, a_scale=scale_R)
+                             w2_E=w3)
     # w2 is (E, D, H): B[e] = w2[e]^T is (H, D)
     y = grouped_gemm(h, w2, schedule, R, transpose_w=True, tiles=tiles.gemm, mode=PLAIN, c_row=target_row)
-    return y, ExpertRowsState(rows, target_row, scale_R, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, schedule, R, rows.dtype)
+    return y, ExpertRowsState(rows, target_row, (w1_EHD, w2_EDH, w3_EHD), h, a1, a3, schedule, R, rows.dtype)
 
 
 def w2_grad_first(state: ExpertRowsState) -> bool:
@@ -146,7 +144,7 @@ def _up_weight_grads(d_a1: torch.Tensor, d_a3: torch.Tensor, state: ExpertRowsSt
     """(grad w1, grad w3) in the weights' dtypes, from one launch. Releases the rows."""
     w1, _, w3 = state.weights
     grad_w1, grad_w3 = grouped_wgrad(d_a1, state.rows, state.schedule.expert_offsets, w1.shape[0], tiles=tiles.wgrad_up,
-                                     out_dtype=w1.dtype, b_scale=state.scale_R, a2=d_a3)
+                                     out_dtype=w1.dtype, a2=d_a3)
     state.rows = None
     return grad_w1, grad_w3.to(w3.dtype)
 

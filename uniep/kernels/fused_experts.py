@@ -26,7 +26,9 @@ its ``uniep::routed_experts`` custom op (``uniep.routed_op``). The activations w
 the backward in ``uniep.backward_state``, where activation checkpointing can drop them.
 
 ``score_before_experts`` scales each copied x row by its score (fp32, rounded to the
-input dtype) inside the GEMM loads, as TorchTitan scales its permuted copy.
+input dtype) in the copy, as TorchTitan scales its permuted copy: the GEMMs read plain
+rows (scaling A in the gate/up GEMM's loads gave rows whose bits changed from run to
+run on an H100, ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -46,9 +48,8 @@ class _FusedExperts(torch.autograd.Function):
                 tiles: ExpertTiles):
         K = scores_TK.shape[1]
         plan_row = inverse_permutation(send_order_P)  # each (token, k) pair's plan row
-        row_scale = scores_TK.reshape(-1)[send_order_P].contiguous() if score_before else None
-        y_PD, state = expert_rows_forward(replicate_rows(x_TD, K, plan_row), row_scale, rows_per_expert_E,
-                                          w1, w2, w3, tiles, target_row=send_order_P)
+        rows_PD = replicate_rows(x_TD, K, plan_row, scores_TK if score_before else None)
+        y_PD, state = expert_rows_forward(rows_PD, rows_per_expert_E, w1, w2, w3, tiles, target_row=send_order_P)
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
         # y and the GEMMs' state are held outside the saved tensors, so the backward can
         # release each once used (and activation checkpointing can drop them).

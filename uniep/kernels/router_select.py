@@ -30,9 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
+from uniep.kernels.grouped_gemm import dot_precision
 from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 
 _ROWS = 16  # tokens per program
+
+
+@triton.jit
+def _activate(x, SIGMOID: tl.constexpr):
+    """fp32 scores of the (ROWS, BLOCK_E) fp32 logits ``x`` (-inf in the padding columns,
+    whose scores are then 0)."""
+    if SIGMOID:
+        return tl.sigmoid(x)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    return e / tl.sum(e, axis=1)[:, None]
 
 
 @triton.jit
@@ -40,10 +51,7 @@ def _scores(logits_ptr, rows, cols, col_ok, stride, SIGMOID: tl.constexpr):
     """(ROWS, BLOCK_E) fp32 scores of ``rows`` (in range); 0 in the padding columns."""
     x = tl.load(logits_ptr + rows[:, None] * stride + cols[None, :], mask=col_ok[None, :],
                 other=float("-inf")).to(tl.float32)
-    if SIGMOID:
-        return tl.sigmoid(x)
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    return e / tl.sum(e, axis=1)[:, None]
+    return _activate(x, SIGMOID)
 
 
 @triton.jit
@@ -59,17 +67,12 @@ def _gathered(s, cols, pick):
 
 
 @triton.jit
-def _router_select_kernel(logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, stride, route_scale,
-                          K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
-                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, SELECT: tl.constexpr,
-                          ROUTE_NORM: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < T
-    rows = tl.minimum(rows, T - 1).to(tl.int64)  # rows past the end recompute the last (not stored)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
+def _choose(s, rows, row_ok, cols, col_ok, bias_ptr, idx_ptr, top_ptr, route_scale,
+            K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+            SELECT: tl.constexpr, ROUTE_NORM: tl.constexpr):
+    """The choice of the rows whose scores are ``s`` (ROWS, BLOCK_E): their K experts
+    (or the given ones) and top scores stored where ``row_ok``."""
     ks = tl.arange(0, KP)
-    s = _scores(logits_ptr, rows, cols, col_ok, stride, SIGMOID)
     choice = s
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -94,6 +97,50 @@ def _router_select_kernel(logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, stride, 
     if SELECT:
         tl.store(idx_ptr + out, idx.to(tl.int64), mask=mask)
     tl.store(top_ptr + out, top, mask=mask)
+
+
+@triton.jit
+def _router_select_kernel(logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, stride, route_scale,
+                          K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
+                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, SELECT: tl.constexpr,
+                          ROUTE_NORM: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rows = tl.minimum(rows, T - 1).to(tl.int64)  # rows past the end recompute the last (not stored)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    s = _scores(logits_ptr, rows, cols, col_ok, stride, SIGMOID)
+    _choose(s, rows, row_ok, cols, col_ok, bias_ptr, idx_ptr, top_ptr, route_scale, K, KP, BLOCK_E, ROWS,
+            HAS_BIAS, SELECT, ROUTE_NORM)
+
+
+@triton.jit
+def _router_gate_kernel(x_ptr, w_ptr, gate_bias_ptr, logits_ptr, bias_ptr, idx_ptr, top_ptr, T, E, D, stride_x,
+                        route_scale, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_GATE_BIAS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SELECT: tl.constexpr, ROUTE_NORM: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rows = tl.minimum(rows, T - 1).to(tl.int64)  # rows past the end recompute the last (not stored)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    # each row's logits: one dot product per expert, summed over D in order (the row's
+    # bits do not depend on the rows beside it)
+    acc = tl.zeros((ROWS, BLOCK_E), dtype=ACC_DTYPE)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * D + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_GATE_BIAS:
+        acc += tl.load(gate_bias_ptr + cols, mask=col_ok, other=0.0).to(ACC_DTYPE)[None, :]
+    logits = acc.to(logits_ptr.dtype.element_ty)  # rounded as the gate's output is
+    tl.store(logits_ptr + rows[:, None] * E + cols[None, :], logits, mask=row_ok[:, None] & col_ok[None, :])
+    s = _activate(tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf")), SIGMOID)
+    _choose(s, rows, row_ok, cols, col_ok, bias_ptr, idx_ptr, top_ptr, route_scale, K, KP, BLOCK_E, ROWS,
+            HAS_BIAS, SELECT, ROUTE_NORM)
 
 
 @triton.jit
@@ -156,6 +203,44 @@ def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool,
             SIGMOID=sigmoid, HAS_BIAS=bias is not None, SELECT=select, ROUTE_NORM=route_norm,
             **_meta(logits_TE, top_k))
     return top_TK, idx_TK
+
+
+_GATE_ROWS = 32
+"""Tokens per program of the gate launch (at 4096 tokens, about one program per SM)."""
+_GATE_BLOCK_K = 64
+
+
+def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, *,
+                       sigmoid: bool, route_norm: bool, route_scale: float, expert_bias_E: torch.Tensor | None = None,
+                       topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(top_scores_TK fp32, topk_idx_TK int64, logits_TE)`` of the tokens ``x_TD``: the
+    gate's logits ``x @ weight^T (+ bias)`` (in x's dtype, one dot product per token and
+    expert, summed over D in order in fp32, float64 for float64 x) and ``router_select_forward``'s choice of them,
+    in one launch (the GEMM's host call, its output's allocation and a second launch
+    were a tenth of a millisecond of the host's time before the first expert GEMM at
+    4096 tokens, ``benchmarks/RESULTS.md``). ``topk_idx_TK``, if given, replaces the choice."""
+    T, D = x_TD.shape
+    E = weight_ED.shape[0]
+    if weight_ED.shape[1] != D or not 1 <= top_k <= E:
+        raise ValueError(f"router_gate_select: gate weight {tuple(weight_ED.shape)} and top_k = {top_k} do not fit "
+                         f"x of shape {tuple(x_TD.shape)}: expected ({E}, {D}) and 1 <= top_k <= {E}")
+    x_TD, weight_ED = x_TD.contiguous(), weight_ED.contiguous()
+    logits_TE = x_TD.new_empty(T, E)
+    select = topk_idx_TK is None
+    idx_TK = (x_TD.new_empty(T, top_k, dtype=torch.int64) if select  # a copy of given ids: never an alias
+              else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
+    top_TK = x_TD.new_empty(T, top_k, dtype=torch.float32)
+    if T:
+        block_e = next_power_of_2(E)
+        launcher(_router_gate_kernel)[(cdiv(T, _GATE_ROWS),)](
+            x_TD, weight_ED, bias_E, logits_TE, None if expert_bias_E is None else expert_bias_E.contiguous(),
+            idx_TK, top_TK, T, E, D,
+            x_TD.stride(0), float(route_scale), K=top_k, KP=next_power_of_2(top_k), BLOCK_E=block_e,
+            ROWS=_GATE_ROWS, BLOCK_K=_GATE_BLOCK_K, SIGMOID=sigmoid, HAS_GATE_BIAS=bias_E is not None,
+            HAS_BIAS=expert_bias_E is not None, SELECT=select, ROUTE_NORM=route_norm,
+            DOT_PRECISION=dot_precision(x_TD.dtype), ACC_DTYPE=tl.float64 if x_TD.dtype == torch.float64 else tl.float32,
+            num_warps=4 if block_e <= 128 else 8, num_stages=3)
+    return top_TK, idx_TK, logits_TE
 
 
 def router_select_backward(logits_TE: torch.Tensor, topk_idx_TK: torch.Tensor, grad_top_TK: torch.Tensor, *,

@@ -6,9 +6,9 @@ Shape legend: T local tokens, K experts per token, P = T*K pairs (send order), R
 received (expert-major), D model dim, E experts (El on this rank).
 
 The all_to_all path is ``fused_experts`` with the row exchange in the middle, step for
-step: unscaled token rows (and, with scores applied before the experts, their fp32
-scores) go to the owners; the owners run the gate/up and down GEMMs
-(``expert_rows_forward``, scores applied in the GEMM loads), the down GEMM writing its
+step: the token rows (scaled by their scores where scores are applied before the
+experts) go to the owners; the owners run the gate/up and down GEMMs
+(``expert_rows_forward``), the down GEMM writing its
 rows in arrival order, so they go back as they are; ``topk_combine`` sums them per
 token where they land (send order), without a copy to (token, k) order. The backward
 sends the combine-backward rows out, the owners return the rows' input gradients
@@ -36,13 +36,10 @@ class _AllToAllFusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1, w2, w3, plan: RoutingPlan, transport, tiles, score_before: bool):
         K = scores_TK.shape[1]
-        rows_PD = replicate_rows(x_TD, K, plan.send_order_inverse)
+        rows_PD = replicate_rows(x_TD, K, plan.send_order_inverse, scores_TK if score_before else None)
         rows_RD = transport.dispatch(rows_PD, plan)
-        scale_R = None
-        if score_before:
-            scale_R = transport.dispatch(scores_TK.reshape(-1, 1).index_select(0, plan.send_order), plan).reshape(-1)
         counts = device_ints(plan.rows_per_local_expert, x_TD.device)
-        y_AD, state = expert_rows_forward(rows_RD, scale_R, counts, w1, w2, w3, tiles, target_row=plan.row_to_arrival)
+        y_AD, state = expert_rows_forward(rows_RD, counts, w1, w2, w3, tiles, target_row=plan.row_to_arrival)
         y_PD = transport.return_arrived(y_AD, plan)  # send order
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K, rows_row_of_pair=plan.send_order_inverse)
         ctx.save_for_backward(x_TD, scores_TK, y_PD, hold_for_backward(state))
