@@ -1,6 +1,8 @@
-"""The router's expert choice in one launch, forward and backward.
+"""The router's expert choice in one launch, forward and backward; in the forward also
+the gate's logits in the same launch (``router_gate_select``), or from given logits
+(``router_select_forward``).
 
-Shape legend: T tokens, E experts, K experts per token.
+Shape legend: T tokens, D model dim, E experts, K experts per token.
 
 From the gate's logits (T, E), per token, in fp32:
 
@@ -14,8 +16,9 @@ none), rounded to the logits' dtype as the fp32 cast's backward does. The backwa
 recomputes the scores from the logits with the forward's code, so it keeps nothing but
 the logits and ``idx``. Given indices (a replayed routing) skip the choice.
 
-Each program owns whole rows and reduces along a row only, so a token's bits do not
-depend on the rows beside it (the batch-invariance expert parallelism needs). In
+Each program owns whole rows and reduces along a row only (the gate's logits too: one
+dot product per token and expert, over D in order), so a token's bits do not depend on
+the rows beside it (the batch-invariance expert parallelism needs). In
 PyTorch this is nine launches forward (cast, softmax, top-k, gather, sum, add, divide,
 ...) and a dozen backward; the top-k alone took 0.1 ms at 16384 x 128 on an H200.
 
@@ -216,9 +219,9 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
     """``(top_scores_TK fp32, topk_idx_TK int64, logits_TE)`` of the tokens ``x_TD``: the
     gate's logits ``x @ weight^T (+ bias)`` (in x's dtype, one dot product per token and
     expert, summed over D in order in fp32, float64 for float64 x) and ``router_select_forward``'s choice of them,
-    in one launch (the GEMM's host call, its output's allocation and a second launch
-    were a tenth of a millisecond of the host's time before the first expert GEMM at
-    4096 tokens, ``benchmarks/RESULTS.md``). ``topk_idx_TK``, if given, replaces the choice."""
+    in one launch: fewer host calls before the first expert GEMM than a GEMM and a
+    second launch (``benchmarks/RESULTS.md``, thirty-eighth session). ``topk_idx_TK``,
+    if given, replaces the choice."""
     T, D = x_TD.shape
     E = weight_ED.shape[0]
     if weight_ED.shape[1] != D or not 1 <= top_k <= E:
