@@ -8,11 +8,12 @@ path), here reading a plan-order copy of x's rows and scattering to (token, k) o
 
 Forward (4 launches):
   1. x rows copied to plan order, each token's row read once and written to its K plan
-     rows (``combine.replicate_rows``; kept for the w1/w3 gradient)  -> rows (P, D)
+     rows, each times its score where scores come before the experts
+     (``combine.replicate_rows``; kept for the w1/w3 gradient)      -> rows (P, D)
   2. gate/up grouped GEMM, w1 and w3 in one pass, SwiGLU in the epilogue
                                        -> h (P, H), a1, a3 (P, H) kept for backward
   3. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
-  4. fixed-order top-k combine, scores applied in fp32              -> out (T, D)
+  4. fixed-order top-k combine, scores (if after) applied in fp32   -> out (T, D)
 Backward (7 launches): combine backward, its rows written in plan order (so the next
 launches load them contiguously, through the copy engine); down dgrad (a plain GEMM)
 and the SwiGLU backward in place; up dgrad (w1 and w3 in one accumulator) scattered to
