@@ -61,9 +61,10 @@ def blocked_mm(a_pad: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block: i
 
 def blocked_linear_backward(grad_TN: torch.Tensor, x_TD: torch.Tensor, weight_ND: torch.Tensor, has_bias: bool,
                             block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(grad x, grad weight, grad bias or None) of ``x @ weight^T + bias`` from the output's
-    gradient ``grad_TN``: the input gradient on fixed row blocks; the weight gradient one GEMM over all rows (a sum over the
-    batch, which no split keeps bitwise anyway) instead of one per block and their sum."""
+    """(grad x, grad weight, grad bias or None) of ``x @ weight^T + bias`` from the
+    output's gradient ``grad_TN``: the input gradient on fixed row blocks; the weight
+    gradient one GEMM over all rows (a sum over the batch, which no split keeps bitwise
+    anyway) instead of one per block and their sum."""
     grad_pad = padded_to_blocks(grad_TN.contiguous(), block)
     grad_x = blocked_mm(grad_pad, weight_ND, x_TD.new_empty(grad_pad.shape[0], x_TD.shape[1]), block)
     grad_w = grad_TN.t().mm(x_TD)

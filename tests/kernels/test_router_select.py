@@ -229,3 +229,12 @@ def test_the_choice_of_given_logits_is_the_fused_routers(replayed):
     router.fused = False
     with pytest.raises(ValueError, match="logits_TE is taken by the fused router only"):
         router(x, bias, given, logits_TE=logits)
+
+
+def test_the_gate_launch_refuses_mismatched_inputs():
+    x = torch.randn(5, 32)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        rs.router_gate_select(x, torch.randn(8, 32, dtype=torch.float64), None, 2, sigmoid=True, route_norm=False,
+                              route_scale=1.0)
+    with pytest.raises(ValueError, match=r"expected \(8, 32\)"):
+        rs.router_gate_select(x, torch.randn(8, 31), None, 2, sigmoid=True, route_norm=False, route_scale=1.0)

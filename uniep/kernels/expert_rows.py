@@ -5,10 +5,10 @@ the rows an expert-parallel transport delivered to their owner).
 Shape legend: R rows (expert-major, the plan's order), D model dim, H hidden dim,
 E local experts.
 
-    h = silu(s * rows @ w1[e]^T) * (s * rows @ w3[e]^T)        y = h @ w2[e]^T
+    h = silu(rows @ w1[e]^T) * (rows @ w3[e]^T)        y = h @ w2[e]^T
 
-where ``s`` is each row's score when scores are applied before the experts (applied by
-the caller's copy of the rows, rounded to their dtype), else 1. The input rows come in plan order (the caller
+where scores applied before the experts are already in the rows (the caller's copy
+scales them, rounded to their dtype). The input rows come in plan order (the caller
 copies token rows there once: the copy engine (TMA) loads contiguous rows but cannot
 gather, and the gate/up launch and the w1/w3 gradient both read them). Outputs may be
 scattered (``target_row``: the plan row's row of ``y``, e.g. its (token, k) pair or its

@@ -218,15 +218,18 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
                        topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(top_scores_TK fp32, topk_idx_TK int64, logits_TE)`` of the tokens ``x_TD``: the
     gate's logits ``x @ weight^T (+ bias)`` (in x's dtype, one dot product per token and
-    expert, summed over D in order in fp32, float64 for float64 x) and ``router_select_forward``'s choice of them,
-    in one launch: fewer host calls before the first expert GEMM than a GEMM and a
-    second launch (``benchmarks/RESULTS.md``, thirty-eighth session). ``topk_idx_TK``,
-    if given, replaces the choice."""
+    expert, summed over D in order in fp32, float64 for float64 x) and
+    ``router_select_forward``'s choice of them, in one launch: fewer host calls before
+    the first expert GEMM than a GEMM and a second launch (``benchmarks/RESULTS.md``,
+    thirty-eighth session). ``topk_idx_TK``, if given, replaces the choice."""
     T, D = x_TD.shape
     E = weight_ED.shape[0]
     if weight_ED.shape[1] != D or not 1 <= top_k <= E:
         raise ValueError(f"router_gate_select: gate weight {tuple(weight_ED.shape)} and top_k = {top_k} do not fit "
                          f"x of shape {tuple(x_TD.shape)}: expected ({E}, {D}) and 1 <= top_k <= {E}")
+    if weight_ED.dtype != x_TD.dtype:
+        raise ValueError(f"router_gate_select: x is {x_TD.dtype} and the gate weight {weight_ED.dtype}; "
+                         "they must share a dtype")
     x_TD, weight_ED = x_TD.contiguous(), weight_ED.contiguous()
     logits_TE = x_TD.new_empty(T, E)
     select = topk_idx_TK is None
@@ -234,7 +237,7 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
               else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
     top_TK = x_TD.new_empty(T, top_k, dtype=torch.float32)
     if T:
-        block_e = next_power_of_2(E)
+        block_e = max(16, next_power_of_2(E))  # a dot's tile is at least 16 wide
         launcher(_router_gate_kernel)[(cdiv(T, _GATE_ROWS),)](
             x_TD, weight_ED, bias_E, logits_TE, None if expert_bias_E is None else expert_bias_E.contiguous(),
             idx_TK, top_TK, T, E, D,
