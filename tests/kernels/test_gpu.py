@@ -124,20 +124,27 @@ def test_bitwise_repeatable_and_schedule_invariant():
         assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
 
 
-def test_scores_before_the_experts_repeat_bitwise():
-    """Scores applied before the experts (each row copy scaled): twenty forward+backward
-    calls give the same bits, with the allocator's free memory overwritten with NaN
-    bytes between them (scaling A inside the gate/up GEMM's loads gave a few tiles'
-    rows other bits, or inf, from call to call on an H100)."""
+@pytest.mark.parametrize("virtual_ranks", [0, 2])
+def test_scores_before_the_experts_repeat_bitwise(virtual_ranks):
+    """Scores applied before the experts (each row copy scaled; in the megakernel, with
+    ``virtual_ranks``, each landed row): twenty forward+backward calls give the same
+    bits, with the allocator's free memory overwritten with NaN bytes between them
+    (scaling A inside the gate/up GEMM's loads gave a few tiles' rows other bits, or
+    inf, from call to call on an H100)."""
+    from uniep.testing import use_virtual_ranks
+
     _, uniep = build(score_before=True)
     x = torch.randn(2, 1000, 256, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
+    path = use_virtual_ranks(uniep, virtual_ranks) if virtual_ranks else None
     first = fwd_bwd(uniep, x, grad)
     assert all(torch.isfinite(t).all() for t in first)
     for _ in range(20):
         torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")  # NaN bytes, freed at once
         again = fwd_bwd(uniep, x, grad)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+    if path is not None:
+        path.peers.raise_pending_errors()
 
 
 def test_few_rows_depth_keeps_the_bits():
