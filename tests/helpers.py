@@ -8,7 +8,7 @@ import torch
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles, GemmTiles
 from uniep.paths.megakernel import Schedule
-from uniep.plan import local_counts
+from uniep.plan import expert_order
 
 
 def routing(kind, W, T, K, E, gen):
@@ -70,10 +70,10 @@ def assert_parts_match_one_rank(parts, W, T, K, E, kind, score_before, seed=11):
     made by ``make_inputs`` (ranks in order) against the one-rank fused path, bitwise."""
     gen = torch.Generator().manual_seed(seed)
     topk, leaves, grad = make_inputs(W, T, K, E, 32, 16, kind, gen, torch.float32)
-    order = torch.argsort(topk.reshape(-1), stable=True)
+    counts, order_2P = expert_order(topk, E)
 
     def one_rank(x, s, w1, w2, w3):
-        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
+        return fused_experts(x, s, order_2P, counts, w1, w2, w3, score_before_experts=score_before,
                              tiles=ExpertTiles.uniform(TILES))
 
     reference = run_grads(one_rank, leaves, grad)

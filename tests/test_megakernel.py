@@ -30,7 +30,7 @@ from uniep.kernels.grouped_gemm import PLAIN, SWIGLU_FWD, ExpertTiles, GemmTiles
 from uniep.paths import build_expert_path
 from uniep.paths.megakernel import MegakernelPath, Schedule, megakernel_experts
 from uniep.paths.torch_path import TorchPath
-from uniep.plan import local_counts
+from uniep.plan import expert_order, local_counts
 from uniep.testing import use_virtual_ranks
 from uniep.transport.peer_buffers import DeviceAllocator, PeerBuffers, SymmetricAllocator
 from uniep.transport.sends import build_sends, owner_rows
@@ -76,10 +76,10 @@ def test_virtual_ranks_bitwise_equal_to_one_rank(W, T, K, E, D, H, kind, dtype, 
     gen = torch.Generator().manual_seed(W + T + K + score_before)
     topk, leaves, grad = make_inputs(W, T, K, E, D, H, kind, gen, dtype)
     table = torch.stack([local_counts(t, E) for t in topk.split(T)])
-    order = torch.argsort(topk.reshape(-1), stable=True)
+    counts, order_2P = expert_order(topk, E)
 
     def one_rank(x, s, w1, w2, w3):
-        return fused_experts(x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=score_before,
+        return fused_experts(x, s, order_2P, counts, w1, w2, w3, score_before_experts=score_before,
                              tiles=ExpertTiles.uniform(TILES))
 
     def megakernel(x, s, w1, w2, w3):
@@ -104,10 +104,10 @@ def test_layers_sharing_virtual_buffers_backward_after_all_forwards():
     references, outs, leaves_of = [], [], []
     for topk, leaves, grad in layers:
         table = torch.stack([local_counts(t, E) for t in topk.split(T)])
-        order = torch.argsort(topk.reshape(-1), stable=True)
+        counts, order_2P = expert_order(topk, E)
         references.append(run_grads(
-            lambda x, s, w1, w2, w3, topk=topk, order=order: fused_experts(
-                x, s, order, local_counts(topk, E), w1, w2, w3, score_before_experts=False,
+            lambda x, s, w1, w2, w3, counts=counts, order_2P=order_2P: fused_experts(
+                x, s, order_2P, counts, w1, w2, w3, score_before_experts=False,
                 tiles=ExpertTiles.uniform(TILES)), leaves, grad))
         leaves = [t.clone().requires_grad_(True) for t in leaves]
         outs.append(megakernel_experts(leaves[0], leaves[1], topk, [T] * W, table, *leaves[2:], peers,

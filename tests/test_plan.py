@@ -63,20 +63,24 @@ def test_local_counts_match_bincount(n, size):
 
 
 def test_expert_order_is_the_plans_send_order_from_one_sort():
-    """The layer sorts once (``expert_order``) and hands the order to the plan."""
+    """The layer sorts once (``expert_order``: the order and its inverse) and hands both
+    to the plan."""
     from uniep.plan import expert_order
 
     gen = torch.Generator().manual_seed(3)
     topk = routing("random", 2, 9, 3, 8, gen)
     table = torch.stack([local_counts(idx, 8) for idx in topk])
     for rank, idx in enumerate(topk):
-        counts, order = expert_order(idx, 8)
+        counts, order_2P = expert_order(idx, 8)
         assert torch.equal(counts, local_counts(idx, 8))
-        assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True))
-        given, own = build_plan(idx, 8, table, rank, order), build_plan(idx, 8, table, rank)
-        assert all(torch.equal(getattr(given, f), getattr(own, f)) for f in ("send_order", "dest_rows", "arrival_to_row"))
+        assert torch.equal(order_2P[0], torch.argsort(idx.reshape(-1), stable=True))
+        assert torch.equal(order_2P[1][order_2P[0]], torch.arange(idx.numel()))
+        given, own = build_plan(idx, 8, table, rank, order_2P), build_plan(idx, 8, table, rank)
+        fields = ("send_order", "send_order_inverse", "dest_rows", "arrival_to_row")
+        assert all(torch.equal(getattr(given, f), getattr(own, f)) for f in fields)
     # the control: an order that is not the stable one gives another plan
-    wrong = build_plan(topk[0], 8, table, 0, expert_order(topk[0], 8)[1].flip(0))
+    order = expert_order(topk[0], 8)[1][0].flip(0)
+    wrong = build_plan(topk[0], 8, table, 0, torch.stack((order, inverse_permutation(order))))
     assert not torch.equal(wrong.dest_rows, build_plan(topk[0], 8, table, 0).dest_rows)
 
 

@@ -18,8 +18,9 @@ from uniep.routed_op import routed_experts
 
 class Routing:
     """Where a batch's tokens go: ``scores_TK`` (T, K) fp32 router scores, ``topk_TK``
-    (T, K) expert ids, ``counts_E`` (E,) pairs per expert, ``order_P`` (T*K,) the pair
-    ids ``t*K + k`` stably sorted by expert (``uniep.plan.expert_order``).
+    (T, K) expert ids, ``counts_E`` (E,) pairs per expert, ``order_2P`` (2, T*K) the pair
+    ids ``t*K + k`` stably sorted by expert and that order's inverse
+    (``uniep.plan.expert_order``).
 
     A plain class on purpose: FSDP casts the floating-point tensors among a module's
     arguments to its parameter dtype, looking into tuples, dicts and dataclasses, and
@@ -27,11 +28,11 @@ class Routing:
     were bf16 in the forward and fp32 when activation checkpointing recomputed it.
     """
 
-    __slots__ = ("scores_TK", "topk_TK", "counts_E", "order_P")
+    __slots__ = ("scores_TK", "topk_TK", "counts_E", "order_2P")
 
     def __init__(self, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor,
-                 order_P: torch.Tensor):
-        self.scores_TK, self.topk_TK, self.counts_E, self.order_P = scores_TK, topk_TK, counts_E, order_P
+                 order_2P: torch.Tensor):
+        self.scores_TK, self.topk_TK, self.counts_E, self.order_2P = scores_TK, topk_TK, counts_E, order_2P
 
 
 class GroupedExperts(nn.Module):
@@ -55,7 +56,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """(T, D) routed-expert output of tokens ``x_TD`` (T, D)."""
         return routed_experts(
-            x_TD, routing.scores_TK, routing.topk_TK, routing.counts_E, routing.order_P, *self.local_weights(),
+            x_TD, routing.scores_TK, routing.topk_TK, routing.counts_E, routing.order_2P, *self.local_weights(),
             self.path_id,
         )
 

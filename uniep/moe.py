@@ -280,8 +280,8 @@ class UniEPMoE(nn.Module):
         top_scores_TK, topk_idx_TK = self.router(x_TD, self.expert_bias, topk_idx, logits_TE)
         # (traced under torch.compile, which sees no Triton launch of ours outside a custom op)
         order_of = expert_order if torch.compiler.is_compiling() else self._expert_order
-        counts_E, order_P = order_of(topk_idx_TK, self.num_experts)
-        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_P))
+        counts_E, order_2P = order_of(topk_idx_TK, self.num_experts)
+        out_TD = self.experts(x_TD, Routing(top_scores_TK, topk_idx_TK, counts_E, order_2P))
         # after the experts' launches: the device waits for their first GEMM, not for this
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_E)

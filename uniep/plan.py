@@ -64,12 +64,14 @@ def local_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def expert_order(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts_E, order_P)``: pairs routed to each expert, and the pair ids ``t*K + k``
-    stably sorted by expert (the plan's send order), from one sort. Where the experts run
-    on Triton the layer takes the same bits from ``kernels.expert_order`` up to its
-    ``MAX_PAIRS`` pairs (one launch instead of four host ops)."""
+    """``(counts_E, order_2P)``: pairs routed to each expert, and in ``order_2P`` (2, P)
+    int64 the pair ids ``t*K + k`` stably sorted by expert (row 0, the plan's send order)
+    and its inverse (row 1, each pair's position in it), from one sort. Where the experts
+    run on Triton the layer takes the same bits from ``kernels.expert_order`` up to its
+    ``MAX_PAIRS`` pairs (one launch instead of the host ops here)."""
     expert_P, order_P = sort_keys(topk_idx_TK, num_experts).sort(stable=True)
-    return counts_in_sorted(expert_P, num_experts), order_P
+    order_2P = torch.stack((order_P, inverse_permutation(order_P)))
+    return counts_in_sorted(expert_P, num_experts), order_2P
 
 
 def sort_keys(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -140,11 +142,11 @@ def build_plan(
     num_experts: int,
     count_table_WE: torch.Tensor | None = None,
     ep_rank: int = 0,
-    send_order: torch.Tensor | None = None,
+    order_2P: torch.Tensor | None = None,
 ) -> RoutingPlan:
     """Plan of one rank. ``count_table_WE`` is the all-gathered table of every rank's
-    ``local_counts`` (None with one rank); ``send_order``, if known, the pairs stably
-    sorted by expert (``expert_order``)."""
+    ``local_counts`` (None with one rank); ``order_2P``, if known, the pairs stably
+    sorted by expert and that order's inverse (``expert_order``)."""
     T, K = topk_idx_TK.shape
     device = topk_idx_TK.device
     if count_table_WE is None:
@@ -157,11 +159,12 @@ def build_plan(
         raise ValueError(f"ep_rank = {ep_rank} must be in [0, {W})")
     El = num_experts // W
 
-    flat_P = topk_idx_TK.reshape(-1)
     # Stable sort keeps pairs of one expert in (t, k) order: pair id t*K+k increases.
-    if send_order is None:
-        send_order = torch.argsort(flat_P, stable=True)
-    send_order_inverse = inverse_permutation(send_order)
+    if order_2P is None:
+        send_order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
+        send_order_inverse = inverse_permutation(send_order)
+    else:
+        send_order, send_order_inverse = order_2P.unbind()
 
     counts_E = count_table_WE[ep_rank]
     dest_rows = algorithm1_rows(topk_idx_TK, count_table_WE, ep_rank, send_order).reshape(-1)[send_order]

@@ -35,7 +35,7 @@ _PATHS: list[Callable] = []
 
 
 def register_path(path: Callable) -> int:
-    """The id under which the op calls ``path(x_TD, scores_TK, topk_TK, counts_E, order_P,
+    """The id under which the op calls ``path(x_TD, scores_TK, topk_TK, counts_E, order_2P,
     w1, w2, w3) -> (T, D)``. Register each path once (layers that share one share its id, so a
     compiled block is reused across layers)."""
     _PATHS.append(path)
@@ -61,21 +61,21 @@ def _autograd_recording() -> Iterator[None]:
 @torch.library.custom_op("uniep::routed_experts", mutates_args=())
 def _routed_experts(
     x_TD: torch.Tensor, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor,
-    order_P: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, path: int, differentiable: bool,
+    order_2P: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, path: int, differentiable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out (T, D), handle (1,) int64 on the CPU; -1 when not ``differentiable``)."""
     if not differentiable:  # no grad (evaluation): no graph to keep
         with torch.no_grad():
-            out_TD = _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3)
+            out_TD = _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3)
         return out_TD, torch.tensor([-1], dtype=torch.int64)
     leaves = tuple(t.detach().requires_grad_() for t in (x_TD, scores_TK, w1, w2, w3))
     with _autograd_recording():
-        out_TD = _PATHS[path](leaves[0], leaves[1], topk_TK, counts_E, order_P, *leaves[2:])
+        out_TD = _PATHS[path](leaves[0], leaves[1], topk_TK, counts_E, order_2P, *leaves[2:])
     return out_TD.detach(), hold_for_backward((leaves, out_TD))
 
 
 @_routed_experts.register_fake
-def _(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path, differentiable):
+def _(x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3, path, differentiable):
     return torch.empty_like(x_TD), torch.empty(1, dtype=torch.int64)
 
 
@@ -114,10 +114,10 @@ def _backward(ctx, grad_out_TD, _grad_handle):
 _routed_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
-def routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path: int) -> torch.Tensor:
+def routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3, path: int) -> torch.Tensor:
     """(T, D): the registered path ``path`` over these inputs; behind the op boundary
     when torch.compile traces the call."""
     if not torch.compiler.is_compiling():
-        return _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3)
+        return _PATHS[path](x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3)
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, scores_TK, w1, w2, w3))
-    return _routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3, path, differentiable)[0]
+    return _routed_experts(x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3, path, differentiable)[0]

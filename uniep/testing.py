@@ -35,7 +35,7 @@ class VirtualRanksPath:
         self.num_experts, self.score_before_experts = num_experts, score_before_experts
         self.peers = PeerBuffers(DeviceAllocator(ranks))
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         W, T = self.ranks, topk_TK.shape[0]
         tokens_per_sender = [T // W + (r < T % W) for r in range(W)]
         sender_T = torch.repeat_interleave(

@@ -15,3 +15,8 @@ def make_routing(T, K, E, kind, gen):
             idx = torch.stack([torch.randperm(K + 1, generator=gen)[:K] for _ in range(T)])
     order = torch.argsort(idx.reshape(-1), stable=True)
     return idx, order, torch.bincount(idx.reshape(-1), minlength=E)
+
+
+def order_and_inverse(order: torch.Tensor) -> torch.Tensor:
+    """(2, P): a send order and its inverse, as the layer hands them to its expert path."""
+    return torch.stack((order, torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))))

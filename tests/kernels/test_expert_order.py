@@ -31,13 +31,14 @@ def _within_experts_reversed(order: torch.Tensor, counts: torch.Tensor) -> torch
 def test_the_bits_of_the_pytorch_sort(T, K, E, kind):
     gen = torch.Generator().manual_seed(T + K + E)
     idx = make_routing(T, K, E, kind, gen)[0] if T else torch.zeros(0, K, dtype=torch.int64)
-    counts, order = kernel.expert_order_triton(idx, E)
-    ref_counts, ref_order = expert_order(idx, E)
-    assert counts.dtype == order.dtype == torch.int64
-    assert torch.equal(counts, ref_counts) and torch.equal(order, ref_order)
+    counts, order_2P = kernel.expert_order_triton(idx, E)
+    ref_counts, ref_order_2P = expert_order(idx, E)
+    assert counts.dtype == order_2P.dtype == torch.int64 and order_2P.shape == (2, T * K)
+    assert torch.equal(counts, ref_counts) and torch.equal(order_2P, ref_order_2P)
+    assert torch.equal(order_2P[1][order_2P[0]], torch.arange(T * K))  # the inverse
     # the control: an order by expert that is not the stable one is told apart
     if T * K > E:
-        assert not torch.equal(order, _within_experts_reversed(ref_order, ref_counts))
+        assert not torch.equal(order_2P[0], _within_experts_reversed(ref_order_2P[0], ref_counts))
 
 
 def test_block_size_and_id_dtype_do_not_change_the_bits(monkeypatch):

@@ -4,7 +4,7 @@ path, and the UniEP layer with backend "triton" against TorchTitan's MoE."""
 import pytest
 import torch
 
-from tests.kernels.routing import make_routing
+from tests.kernels.routing import make_routing, order_and_inverse
 from uniep import UniEPConfig, UniEPMoE
 from uniep.experts import expert_mlp_torch
 from uniep.kernels.fused_experts import fused_experts
@@ -52,7 +52,8 @@ def test_fused_matches_torch_path(T, K, E, D, H, kind, score_before):
     grad = torch.randn(T, D, generator=gen)
 
     def fused(x, s, a, b, c):
-        return fused_experts(x, s, order, counts, a, b, c, score_before_experts=score_before, tiles=ExpertTiles.uniform(TILES))
+        return fused_experts(x, s, order_and_inverse(order), counts, a, b, c, score_before_experts=score_before,
+                             tiles=ExpertTiles.uniform(TILES))
 
     def ref(x, s, a, b, c):
         return reference(x, s, order, counts, a, b, c, score_before)
@@ -79,7 +80,8 @@ def test_bitwise_across_program_counts():
     for programs in (1, 5):
         tiles = GemmTiles(16, 16, 16, num_programs=programs)
         runs.append(fwd_bwd(
-            lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False, tiles=ExpertTiles.uniform(tiles)),
+            lambda x, s, a, b, c: fused_experts(x, s, order_and_inverse(order), counts, a, b, c,
+                                                score_before_experts=False, tiles=ExpertTiles.uniform(tiles)),
             inputs, grad,
         ))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
@@ -89,7 +91,8 @@ def test_bad_weight_shapes_are_named():
     x, s = torch.randn(4, 16), torch.rand(4, 2)
     w = torch.randn(3, 8, 16)
     with pytest.raises(ValueError, match=r"weight shapes w1 \(3, 8, 16\), w2 \(3, 8, 16\), w3 \(3, 8, 16\) do not fit x of dim 16"):
-        fused_experts(x, s, torch.arange(8), torch.tensor([8, 0, 0]), w, w, w, score_before_experts=False, tiles=ExpertTiles.uniform(TILES))
+        fused_experts(x, s, torch.arange(8).repeat(2, 1), torch.tensor([8, 0, 0]), w, w, w, score_before_experts=False,
+                      tiles=ExpertTiles.uniform(TILES))
 
 
 SMALL_TILES = dict(gemm_block_m=16, gemm_block_n=16, gemm_block_k=16, wgrad_block_m=16, wgrad_block_n=16, wgrad_block_k=16)
@@ -119,7 +122,7 @@ def titan_and_uniep(seed, backend, *, num_experts, num_shared_experts, score_bef
 def test_bad_inputs_are_named(x, scores, message):
     w1, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 8)
     with pytest.raises(ValueError, match=message):
-        fused_experts(x, scores, torch.arange(8), torch.tensor([8, 0, 0]), w1, w2, w1, score_before_experts=False,
+        fused_experts(x, scores, torch.arange(8).repeat(2, 1), torch.tensor([8, 0, 0]), w1, w2, w1, score_before_experts=False,
                       tiles=ExpertTiles.uniform(TILES))
 
 
@@ -179,7 +182,7 @@ def test_w2_gradient_first_or_last_gives_the_same_bits_and_holds_less(monkeypatc
     order, counts, inputs, grad = small_problem(2)
 
     def run():
-        return fwd_bwd(lambda x, s, a, b, c: fused_experts(x, s, order, counts, a, b, c, score_before_experts=False,
+        return fwd_bwd(lambda x, s, a, b, c: fused_experts(x, s, order_and_inverse(order), counts, a, b, c, score_before_experts=False,
                                                            tiles=ExpertTiles.uniform(TILES)), inputs, grad)
 
     decided = []

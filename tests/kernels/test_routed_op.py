@@ -6,7 +6,7 @@ recomputing the same bits and dropping the state it holds for the backward."""
 import torch
 import torch.utils.checkpoint
 
-from tests.kernels.routing import make_routing
+from tests.kernels.routing import make_routing, order_and_inverse
 from uniep import UniEPConfig, UniEPMoE
 from uniep.backward_state import held_states
 from uniep.kernels.fused_experts import fused_experts
@@ -30,7 +30,7 @@ def inputs(seed=0):
     scores = torch.rand(T, K, generator=gen)
     w = [torch.randn(*shape, generator=gen) * 0.2 for shape in ((E, H, D), (E, D, H), (E, H, D))]
     leaves = [t.to(DEVICE).requires_grad_(True) for t in (x, scores, *w)]
-    return leaves[0], leaves[1], topk.to(DEVICE), order.to(DEVICE), counts.to(DEVICE), leaves[2:]
+    return leaves[0], leaves[1], topk.to(DEVICE), order_and_inverse(order).to(DEVICE), counts.to(DEVICE), leaves[2:]
 
 
 def fused(x, scores, order, counts, w1, w2, w3):

@@ -1,13 +1,15 @@
 """The routing's expert order in one launch: how many (token, k) pairs each expert gets,
-and the pair ids stably sorted by expert (the plan's send order).
+the pair ids stably sorted by expert (the plan's send order) and that order's inverse
+(each pair's row in the plan).
 
 Shape legend: T tokens, K experts per token, P = T*K pairs, E experts.
 
 A counting sort, one program per expert. Program ``e`` reads the pairs' expert ids
 twice: first it counts the pairs of lower experts (where its pairs start) and its own;
 then it writes the ids of its pairs in ascending order, each at the start plus the
-number of its pairs before it (a prefix sum over each block of pairs). Each output has
-one writer and no atomics, and a stable sort's order is a function of the ids alone, so
+number of its pairs before it (a prefix sum over each block of pairs), and that place at
+each of its pairs (the inverse, which the row copy needs: a host op and a launch fewer).
+Each output has one writer and no atomics, and a stable sort's order is a function of the ids alone, so
 the result is bitwise that of ``uniep.plan.expert_order``, its PyTorch reference (a
 radix sort, a search and a difference: four host ops and a dozen device launches).
 
@@ -35,6 +37,7 @@ MAX_PAIRS = 2**15
 
 @triton.jit
 def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    # order_ptr: (2, num_pairs), the order, then its inverse
     e = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
     start = tl.full((), 0, tl.int32)
@@ -51,21 +54,22 @@ def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, num_pairs, num_experts,
         mine = (ids == e).to(tl.int32)
         at = place + tl.cumsum(mine, axis=0) - mine
         tl.store(order_ptr + at, (p0 + offsets).to(tl.int64), mask=mine != 0)
+        tl.store(order_ptr + num_pairs + p0 + offsets, at.to(tl.int64), mask=mine != 0)
         place += tl.sum(mine, axis=0)
 
 
 def expert_order_triton(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts_E, order_P)`` int64, as ``uniep.plan.expert_order``, in one launch:
+    """``(counts_E, order_2P)`` int64, as ``uniep.plan.expert_order``, in one launch:
     ``topk_idx_TK`` integer expert ids in [0, E), any shape."""
     ids_P = topk_idx_TK.reshape(-1).contiguous()
     P = ids_P.numel()
     if P >= 2**31:
         raise ValueError(f"expert_order_triton: {P} pairs; at most 2**31 - 1 (int32 positions)")
     counts_E = torch.empty(num_experts, dtype=torch.int64, device=ids_P.device)
-    order_P = torch.empty(P, dtype=torch.int64, device=ids_P.device)
-    launcher(_expert_order_kernel)[(num_experts,)](ids_P, counts_E, order_P, P, num_experts, BLOCK=_BLOCK,
+    order_2P = torch.empty(2, P, dtype=torch.int64, device=ids_P.device)
+    launcher(_expert_order_kernel)[(num_experts,)](ids_P, counts_E, order_2P, P, num_experts, BLOCK=_BLOCK,
                                                    num_warps=8)
-    return counts_E, order_P
+    return counts_E, order_2P
 
 
 def expert_order_on_triton(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,15 +40,14 @@ from uniep.backward_state import hold_for_backward, take_for_backward
 from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
-from uniep.plan import inverse_permutation
 
 
 class _FusedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, scores_TK, send_order_P, rows_per_expert_E, w1, w2, w3, score_before: bool,
+    def forward(ctx, x_TD, scores_TK, order_2P, rows_per_expert_E, w1, w2, w3, score_before: bool,
                 tiles: ExpertTiles):
         K = scores_TK.shape[1]
-        plan_row = inverse_permutation(send_order_P)  # each (token, k) pair's plan row
+        send_order_P, plan_row = order_2P.unbind()  # each plan row's (token, k) pair, and each pair's plan row
         rows_PD = replicate_rows(x_TD, K, plan_row, scores_TK if score_before else None)
         y_PD, state = expert_rows_forward(rows_PD, rows_per_expert_E, w1, w2, w3, tiles, target_row=send_order_P)
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
@@ -78,7 +77,7 @@ class _FusedExperts(torch.autograd.Function):
 def fused_experts(
     x_TD: torch.Tensor,
     scores_TK: torch.Tensor,
-    send_order_P: torch.Tensor,
+    order_2P: torch.Tensor,
     rows_per_expert_E: torch.Tensor,
     w1_EHD: torch.Tensor,
     w2_EDH: torch.Tensor,
@@ -89,12 +88,13 @@ def fused_experts(
 ) -> torch.Tensor:
     """(T, D): sum over k of score[t, k] * expert_{idx[t, k]}(x[t]) (see module docstring).
 
-    ``send_order_P`` (P,) int64 is the plan's row order (pair ids ``t*K + k`` sorted by
-    expert); ``rows_per_expert_E`` (E,) int64 its per-expert counts, on the device.
+    ``order_2P`` (2, P) int64 holds the plan's row order (pair ids ``t*K + k`` sorted by
+    expert) and its inverse (``uniep.plan.expert_order``); ``rows_per_expert_E`` (E,)
+    int64 the per-expert counts, on the device.
     """
     _check_inputs(x_TD, scores_TK, w1_EHD, w2_EDH, w3_EHD)
     return _FusedExperts.apply(
-        x_TD.contiguous(), scores_TK.float().contiguous(), send_order_P, rows_per_expert_E,
+        x_TD.contiguous(), scores_TK.float().contiguous(), order_2P, rows_per_expert_E,
         w1_EHD, w2_EDH, w3_EHD, score_before_experts, tiles,
     )
 

@@ -3,11 +3,11 @@
 Shape legend: T local tokens, K experts per token, P = T*K (token, k) pairs, E experts
 (El on this rank), D model dim, H expert hidden dim.
 
-An expert path is called as ``path(x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2,
-w3)`` with ``counts_E`` (E,) this rank's pairs per expert, ``order_P`` (T*K,) its pairs
-stably sorted by expert (``uniep.plan.expert_order``) and this rank's experts w1, w3
-(El, H, D), w2 (El, D, H); it returns the (T, D) routed output, differentiable in x,
-the scores and the weights, and knows its ``ep_size``. It runs eagerly (the layer calls
+An expert path is called as ``path(x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2,
+w3)`` with ``counts_E`` (E,) this rank's pairs per expert, ``order_2P`` (2, T*K) its pairs
+stably sorted by expert and that order's inverse (``uniep.plan.expert_order``) and this
+rank's experts w1, w3 (El, H, D), w2 (El, D, H); it returns the (T, D) routed output,
+differentiable in x, the scores and the weights, and knows its ``ep_size``. It runs eagerly (the layer calls
 it through ``uniep.routed_op``, which torch.compile does not trace into). Every path
 gives the bits of the one-rank path of its backend.
 
@@ -35,7 +35,7 @@ class ExpertPath(Protocol):
     ep_size: int
 
     def __call__(self, x_TD: torch.Tensor, scores_TK: torch.Tensor, topk_TK: torch.Tensor, counts_E: torch.Tensor,
-                 order_P: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor: ...
+                 order_2P: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor: ...
 
 
 def ranks_per_node() -> int | None:

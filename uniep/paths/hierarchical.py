@@ -212,7 +212,7 @@ class HierarchicalPath:
         self.num_experts, self.score_before_experts = num_experts, score_before_experts
         self.peers = PeerBuffers(SymmetricAllocator(self.layout.node_group))
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], self.ep_size)
         return hierarchical_megakernel_experts(
             x_TD, scores_TK, topk_TK, w1, w2, w3, self.layout, self.peers, schedule_of(config),

@@ -257,7 +257,7 @@ class MegakernelPath:
         self.num_experts, self.score_before_experts = num_experts, score_before_experts
         self.peers = PeerBuffers(SymmetricAllocator(group))
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], self.ep_size)
         return megakernel_experts(
             x_TD, scores_TK, topk_TK, [x_TD.shape[0]], gather_counts(counts_E, self.group), w1, w2, w3,

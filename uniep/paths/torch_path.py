@@ -22,14 +22,14 @@ class TorchPath:
         self.ep_size = transport.ep_size
         self.num_experts, self.score_before_experts = num_experts, score_before_experts
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         T, D = x_TD.shape
         K = topk_TK.shape[1]
         # No tiles here; resolved anyway so that config = "auto" logs its choice on every
         # backend (CPU runs show what a GPU run of the same job would pick).
         self.schedules.config_for(x_TD, w1, K, self.ep_size)
         transport = self.transport
-        plan = build_plan(topk_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank, order_P)
+        plan = build_plan(topk_TK, self.num_experts, transport.gather_counts(counts_E), transport.ep_rank, order_2P)
         # shape (P, D): one row per (token, k) pair, in send order (expert, token, k)
         rows_PD = permute_rows(replicate_topk(x_TD, K), plan.send_order, plan.send_order_inverse)
         if self.score_before_experts:

@@ -101,9 +101,9 @@ class TritonPath:
     def __init__(self, schedules, score_before_experts: bool):
         self.schedules, self.score_before_experts = schedules, score_before_experts
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], 1)
-        return fused_experts(x_TD, scores_TK, order_P, counts_E, w1, w2, w3,
+        return fused_experts(x_TD, scores_TK, order_2P, counts_E, w1, w2, w3,
                              score_before_experts=self.score_before_experts, tiles=tiles_of(config))
 
 
@@ -116,9 +116,9 @@ class TritonAllToAllPath:
         self.ep_size = transport.ep_size
         self.num_experts, self.score_before_experts = num_experts, score_before_experts
 
-    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_P, w1, w2, w3) -> torch.Tensor:
+    def __call__(self, x_TD, scores_TK, topk_TK, counts_E, order_2P, w1, w2, w3) -> torch.Tensor:
         config = self.schedules.config_for(x_TD, w1, topk_TK.shape[1], self.ep_size)
         t = self.transport
-        plan = build_plan(topk_TK, self.num_experts, t.gather_counts(counts_E), t.ep_rank, order_P)
+        plan = build_plan(topk_TK, self.num_experts, t.gather_counts(counts_E), t.ep_rank, order_2P)
         return all_to_all_fused_experts(x_TD, scores_TK, plan, t, w1, w2, w3, tiles=tiles_of(config),
                                         score_before_experts=self.score_before_experts)
