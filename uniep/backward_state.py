@@ -27,7 +27,7 @@ def hold_for_backward(state: object) -> torch.Tensor:
     """A handle (a (1,) int64 CPU tensor) to save for backward in place of ``state``."""
     key = next(_KEYS)
     _HELD[key] = state
-    handle = torch.tensor([key], dtype=torch.int64)
+    handle = torch.full((1,), key, dtype=torch.int64)  # (torch.tensor parses a list: more host time)
     weakref.finalize(handle, _HELD.pop, key, None)
     return handle
 

@@ -84,7 +84,7 @@ def row_tiles(rows_per_expert_E: torch.Tensor, block_m: int, num_rows: int) -> R
     E = rows_per_expert_E.numel()
     T = cdiv(num_rows, block_m) + E
     buffer = torch.empty(2 * (E + 1) + 3 * T, dtype=torch.int32, device=rows_per_expert_E.device)
-    expert_offsets, tile_offsets, table = buffer.split([E + 1, E + 1, 3 * T])  # one op for the three views
+    expert_offsets, tile_offsets, table = buffer.split_with_sizes([E + 1, E + 1, 3 * T])  # one op, three views
     schedule = RowTiles(expert_offsets, tile_offsets, table.view(T, 3), block_m)
     block_e = next_power_of_2(E)
     # (BLOCK_T, BLOCK_E) tiles of 4096 entries: 32 per thread (16384 spilled at 64 experts)
