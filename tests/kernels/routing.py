@@ -2,6 +2,8 @@
 
 import torch
 
+from uniep.plan import inverse_permutation
+
 
 def make_routing(T, K, E, kind, gen):
     """(topk_idx (T, K) int64, send_order (P,), rows_per_expert (E,)) for a routing kind:
@@ -19,4 +21,4 @@ def make_routing(T, K, E, kind, gen):
 
 def order_and_inverse(order: torch.Tensor) -> torch.Tensor:
     """(2, P): a send order and its inverse, as the layer hands them to its expert path."""
-    return torch.stack((order, torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))))
+    return torch.stack((order, inverse_permutation(order)))

@@ -9,9 +9,10 @@ twice: first it counts the pairs of lower experts (where its pairs start) and it
 then it writes the ids of its pairs in ascending order, each at the start plus the
 number of its pairs before it (a prefix sum over each block of pairs), and that place at
 each of its pairs (the inverse, which the row copy needs: a host op and a launch fewer).
-Each output has one writer and no atomics, and a stable sort's order is a function of the ids alone, so
-the result is bitwise that of ``uniep.plan.expert_order``, its PyTorch reference (a
-radix sort, a search and a difference: four host ops and a dozen device launches).
+Each output has one writer and no atomics, and a stable sort's order is a function of
+the ids alone, so the result is bitwise that of ``uniep.plan.expert_order``, its
+PyTorch reference (a radix sort, a search and a difference: four host ops and a dozen
+device launches).
 
 Each program reads every id, so the launch's time grows with P where the sort's hardly
 does: on an H100, 25 us at 32768 pairs (the ops it replaces: 34 us) and 97 us at 131072

@@ -7,9 +7,9 @@ An expert path is called as ``path(x_TD, scores_TK, topk_TK, counts_E, order_2P,
 w3)`` with ``counts_E`` (E,) this rank's pairs per expert, ``order_2P`` (2, T*K) its pairs
 stably sorted by expert and that order's inverse (``uniep.plan.expert_order``) and this
 rank's experts w1, w3 (El, H, D), w2 (El, D, H); it returns the (T, D) routed output,
-differentiable in x, the scores and the weights, and knows its ``ep_size``. It runs eagerly (the layer calls
-it through ``uniep.routed_op``, which torch.compile does not trace into). Every path
-gives the bits of the one-rank path of its backend.
+differentiable in x, the scores and the weights, and knows its ``ep_size``. It runs
+eagerly (the layer calls it through ``uniep.routed_op``, which torch.compile does not
+trace into). Every path gives the bits of the one-rank path of its backend.
 
 :func:`build_expert_path` is the one place that reads ``backend``, ``transport``, the
 processes per node and ``TRITON_INTERPRET``; a config that cannot run on the device
