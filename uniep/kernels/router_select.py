@@ -185,6 +185,16 @@ def _meta(logits_TE: torch.Tensor, top_k: int) -> dict:
                 num_warps=4)
 
 
+def _choice_outputs(rows: torch.Tensor, top_k: int,
+                    topk_idx_TK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top scores (T, K) fp32, expert ids (T, K) int64) to write for the T rows of
+    ``rows`` (T, ...): the ids empty, or a copy of the given ones (never an alias of them)."""
+    T = rows.shape[0]
+    idx_TK = (rows.new_empty(T, top_k, dtype=torch.int64) if topk_idx_TK is None
+              else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
+    return rows.new_empty(T, top_k, dtype=torch.float32), idx_TK
+
+
 def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, route_norm: bool,
                           route_scale: float, expert_bias_E: torch.Tensor | None = None,
                           topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,9 +206,7 @@ def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool,
     logits_TE = logits_TE.contiguous()
     T, E = logits_TE.shape
     select = topk_idx_TK is None
-    idx_TK = (logits_TE.new_empty(T, top_k, dtype=torch.int64) if select  # a copy of given ids: never an alias
-              else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
-    top_TK = logits_TE.new_empty(T, top_k, dtype=torch.float32)
+    top_TK, idx_TK = _choice_outputs(logits_TE, top_k, topk_idx_TK)
     bias = None if expert_bias_E is None else expert_bias_E.contiguous()
     if T:
         launcher(_router_select_kernel)[(cdiv(T, _ROWS),)](
@@ -233,9 +241,7 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
     x_TD, weight_ED = x_TD.contiguous(), weight_ED.contiguous()
     logits_TE = x_TD.new_empty(T, E)
     select = topk_idx_TK is None
-    idx_TK = (x_TD.new_empty(T, top_k, dtype=torch.int64) if select  # a copy of given ids: never an alias
-              else topk_idx_TK.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True))
-    top_TK = x_TD.new_empty(T, top_k, dtype=torch.float32)
+    top_TK, idx_TK = _choice_outputs(x_TD, top_k, topk_idx_TK)
     if T:
         block_e = max(16, next_power_of_2(E))  # a dot's tile is at least 16 wide
         launcher(_router_gate_kernel)[(cdiv(T, _GATE_ROWS),)](
