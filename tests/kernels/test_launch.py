@@ -157,8 +157,8 @@ def test_direct_call_passes_the_launchers_arguments_in_its_order():
     run = FakeCudaLauncher()
     call = launch.direct_call(_compiled_with(run))
     assert isinstance(call, launch.DirectCall)
-    call((5, 3), 1234, ["x", 64])
-    call((7,), 1234, ["y", 32])
+    call((5, 3), 0, 1234, ["x", 64])
+    call((7,), 0, 1234, ["y", 32])
     # grid, stream, function, cooperative, pdl, global and profile scratch, packed
     # metadata, launch metadata, enter and exit hooks, then the kernel's arguments
     assert run.launches == [(5, 3, 1, 1234, "function:k", False, True, None, None, "meta:k", None, None, None, "x", 64),
@@ -176,12 +176,43 @@ def test_direct_call_allocates_each_scratch_for_every_program(monkeypatch):
     token = launch._allocation._allocator.set(allocate)  # what triton.set_allocator sets
     try:
         run = FakeCudaLauncher(global_scratch=256, profile_scratch=16)
-        launch.direct_call(_compiled_with(run))((3, 2), 99, ["x"])
+        launch.direct_call(_compiled_with(run))((3, 2), 0, 99, ["x"])
     finally:
         launch._allocation._allocator.reset(token)
     # 3 x 2 programs of 2 CTAs each; the global scratch first, then the profile scratch
     assert allocations == [(3 * 2 * 2 * 256, 128, 99), (3 * 2 * 2 * 16, 64, 99)]
     assert run.launches[0][7:9] == ("buffer1", "buffer2")
+
+
+def test_global_scratch_is_one_buffer_per_stream_unless_launches_overlap(monkeypatch):
+    """Without programmatic dependent launch, launches on one stream share one global
+    scratch, grown when a launch needs more; another stream or device gets its own; a
+    kernel launched with PDL (negative control) allocates its own every launch."""
+    allocations = []
+
+    def allocate(size, align, stream):
+        allocations.append((size, stream))
+        return f"buffer{len(allocations)}"
+
+    monkeypatch.setattr(launch, "_STREAM_SCRATCH", {})
+    token = launch._allocation._allocator.set(allocate)
+    try:
+        run = FakeCudaLauncher(global_scratch=128)
+        run.launch_pdl = False
+        call = launch.direct_call(_compiled_with(run))
+        for grid, device, stream in [((4,), 0, 7), ((2,), 0, 7), ((4,), 0, 7), ((8,), 0, 7), ((4,), 0, 8),
+                                     ((4,), 1, 7), ((3,), 0, 7)]:
+            call(grid, device, stream, ["x"])
+        pdl_run = FakeCudaLauncher(global_scratch=128)
+        pdl = launch.direct_call(_compiled_with(pdl_run))
+        pdl((4,), 0, 7, ["x"])
+        pdl((4,), 0, 7, ["x"])
+    finally:
+        launch._allocation._allocator.reset(token)
+    assert [args[7] for args in run.launches] == ["buffer1", "buffer1", "buffer1", "buffer2", "buffer3", "buffer4",
+                                                  "buffer2"]
+    assert allocations[:4] == [(4 * 2 * 128, 7), (8 * 2 * 128, 7), (4 * 2 * 128, 8), (4 * 2 * 128, 7)]
+    assert [args[7] for args in pdl_run.launches] == ["buffer5", "buffer6"]
 
 
 def test_a_launcher_without_cuda_fields_is_called_as_the_jit_would():
@@ -190,5 +221,5 @@ def test_a_launcher_without_cuda_fields_is_called_as_the_jit_would():
     kernel = FakeCompiled("k")
     call = launch.direct_call(kernel)
     assert not isinstance(call, launch.DirectCall)
-    call((4,), 1234, ["x", 8])
+    call((4,), 0, 1234, ["x", 8])
     assert kernel.runs == [(4, 1, 1, 1234, "function:k", "meta:k", None, None, None, "x", 8)]

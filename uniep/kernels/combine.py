@@ -97,16 +97,12 @@ def _topk_combine_bwd_kernel(
 
 
 @triton.jit
-def _replicate_rows_kernel(
-    x_ptr,  # (T, D)
-    row_of_pair_ptr,  # (T*K,) int64: output row of pair t*K + k
-    scale_ptr,  # (T, K) fp32: pair t*K + k's scale (HAS_SCALE)
-    out_ptr,  # (T*K, D)
-    D,
-    K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def copy_token_row(t, col_block, x_ptr, row_of_pair_ptr, scale_ptr, out_ptr, D, K: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns block ``col_block`` of token ``t``'s row, read once, written to its K pairs'
+    rows (a program of ``_replicate_rows_kernel`` or of ``uniep.kernels.plan_rows``)."""
+    t = t.to(tl.int64)
+    cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
     row = tl.load(x_ptr + t * D + cols, mask=mask)
     for k in tl.static_range(K):
@@ -117,13 +113,27 @@ def _replicate_rows_kernel(
         tl.store(out_ptr + out_row * D + cols, copy, mask=mask)
 
 
+@triton.jit
+def _replicate_rows_kernel(
+    x_ptr,  # (T, D)
+    row_of_pair_ptr,  # (T*K,) int64: output row of pair t*K + k
+    scale_ptr,  # (T, K) fp32: pair t*K + k's scale (HAS_SCALE)
+    out_ptr,  # (T*K, D)
+    D,
+    K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    copy_token_row(tl.program_id(0), tl.program_id(1), x_ptr, row_of_pair_ptr, scale_ptr, out_ptr, D, K, HAS_SCALE,
+                   BLOCK_D)
+
+
 NUM_WARPS = 8
 """Warps per program of every launch here, with columns in blocks of up to 2048: on an
 H100, as fast as 1024-column blocks on 4 warps at D = 2048 and faster at D = 7168 (the
 combine backward 0.83 against 0.98 ms at 8192 tokens, K = 8; benchmarks/RESULTS.md)."""
 
 
-def _block_d(D: int) -> int:
+def block_d(D: int) -> int:
+    """Columns per program of the launches here (up to 2048)."""
     return min(2048, next_power_of_2(D))
 
 
@@ -137,9 +147,9 @@ def topk_combine(rows_PD: torch.Tensor, weights_TK: torch.Tensor | None, top_k: 
     out = rows_PD.new_empty(T, D)
     if T == 0:
         return out
-    launcher(_topk_combine_kernel)[(T, cdiv(D, _block_d(D)))](
+    launcher(_topk_combine_kernel)[(T, cdiv(D, block_d(D)))](
         rows_PD, rows_PD if weights_TK is None else weights_TK, rows_PD if rows_row_of_pair is None else rows_row_of_pair,
-        out, D, K=top_k, HAS_W=weights_TK is not None, MAP_READS=rows_row_of_pair is not None, BLOCK_D=_block_d(D),
+        out, D, K=top_k, HAS_W=weights_TK is not None, MAP_READS=rows_row_of_pair is not None, BLOCK_D=block_d(D),
         num_warps=NUM_WARPS,
     )
     return out
@@ -167,9 +177,20 @@ def topk_combine_bwd(
         grad_rows, grad_rows if row_of_pair is None else row_of_pair,
         grad_rows if rows_row_of_pair is None else rows_row_of_pair, grad_rows if grad_w is None else grad_w, D,
         K=top_k, HAS_W=weights_TK is not None, WRITE_ROWS=write_rows, MAP_WRITES=row_of_pair is not None,
-        MAP_READS=rows_row_of_pair is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS,
+        MAP_READS=rows_row_of_pair is not None, BLOCK_D=block_d(D), num_warps=NUM_WARPS,
     )
     return (grad_rows if write_rows else None), grad_w
+
+
+def check_replicate_args(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor,
+                         scale_TK: torch.Tensor | None, where: str) -> None:
+    """Raise unless ``row_of_pair`` has a row per pair and ``scale_TK`` is None or (T, K) fp32."""
+    if row_of_pair.shape != (x_TD.shape[0] * top_k,):
+        raise ValueError(f"{where}: row_of_pair has shape {tuple(row_of_pair.shape)}; "
+                         f"expected ({x_TD.shape[0] * top_k},) for {x_TD.shape[0]} tokens and top_k = {top_k}")
+    if scale_TK is not None and (scale_TK.shape != (x_TD.shape[0], top_k) or scale_TK.dtype != torch.float32):
+        raise ValueError(f"{where}: scale_TK must be float32 of shape ({x_TD.shape[0]}, {top_k}); got "
+                         f"{scale_TK.dtype} {tuple(scale_TK.shape)}")
 
 
 def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor,
@@ -179,19 +200,14 @@ def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor,
     permutation ``order`` (pair ids in the output's row order); with ``scale_TK`` (T, K)
     fp32, each copy times its pair's scale in fp32, rounded to x's dtype (the scores
     applied before the experts, as TorchTitan scales its permuted copy)."""
-    if row_of_pair.shape != (x_TD.shape[0] * top_k,):
-        raise ValueError(f"replicate_rows: row_of_pair has shape {tuple(row_of_pair.shape)}; "
-                         f"expected ({x_TD.shape[0] * top_k},) for {x_TD.shape[0]} tokens and top_k = {top_k}")
-    if scale_TK is not None and (scale_TK.shape != (x_TD.shape[0], top_k) or scale_TK.dtype != torch.float32):
-        raise ValueError(f"replicate_rows: scale_TK must be float32 of shape ({x_TD.shape[0]}, {top_k}); got "
-                         f"{scale_TK.dtype} {tuple(scale_TK.shape)}")
+    check_replicate_args(x_TD, top_k, row_of_pair, scale_TK, "replicate_rows")
     x_TD = x_TD.contiguous()
     T, D = x_TD.shape
     out = x_TD.new_empty(T * top_k, D)
     if T:
-        launcher(_replicate_rows_kernel)[(T, cdiv(D, _block_d(D)))](
+        launcher(_replicate_rows_kernel)[(T, cdiv(D, block_d(D)))](
             x_TD, row_of_pair, None if scale_TK is None else scale_TK.contiguous(), out, D, K=top_k,
-            HAS_SCALE=scale_TK is not None, BLOCK_D=_block_d(D), num_warps=NUM_WARPS)
+            HAS_SCALE=scale_TK is not None, BLOCK_D=block_d(D), num_warps=NUM_WARPS)
     return out
 
 

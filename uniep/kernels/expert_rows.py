@@ -36,7 +36,7 @@ from uniep.kernels.grouped_gemm import (
     ExpertTiles,
     grouped_gemm,
 )
-from uniep.kernels.row_tiles import RowTiles, row_tiles
+from uniep.kernels.row_tiles import RowTiles
 from uniep.kernels.swiglu import swiglu_backward
 from uniep.kernels.wgrad import grouped_wgrad
 
@@ -77,7 +77,7 @@ def _in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def expert_rows_forward(
     rows: torch.Tensor,
-    rows_per_expert_E: torch.Tensor,
+    schedule: RowTiles,
     w1_EHD: torch.Tensor,
     w2_EDH: torch.Tensor,
     w3_EHD: torch.Tensor,
@@ -86,11 +86,11 @@ def expert_rows_forward(
     target_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ExpertRowsState]:
     """(y, state): ``rows`` (R, D) in plan order; y has R rows (plan order, or scattered
-    to ``target_row``). ``rows_per_expert_E`` (E,) int64 on the device; ``target_row``
-    (R,) int32 or int64, or None (plan order)."""
+    to ``target_row``). ``schedule``: the rows' row tiles of ``tiles.gemm.block_m`` rows
+    (``row_tiles``, or ``plan_rows`` with the rows); ``target_row`` (R,) int32 or int64,
+    or None (plan order)."""
     R = rows.shape[0]
     w1, w2, w3 = (_in_dtype(w, rows.dtype) for w in (w1_EHD, w2_EDH, w3_EHD))
-    schedule = row_tiles(rows_per_expert_E, tiles.gemm.block_m, R)
     # w1 is (E, H, D): B[e] = w1[e]^T is (D, H)
     h, a1, a3 = grouped_gemm(rows, w1, schedule, R, transpose_w=True, tiles=tiles.up, mode=SWIGLU_FWD,
                              w2_E=w3)

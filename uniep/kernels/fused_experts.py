@@ -8,8 +8,9 @@ path), here reading a plan-order copy of x's rows and scattering to (token, k) o
 
 Forward (4 launches):
   1. x rows copied to plan order, each token's row read once and written to its K plan
-     rows, each times its score where scores come before the experts
-     (``combine.replicate_rows``; kept for the w1/w3 gradient)      -> rows (P, D)
+     rows, each times its score where scores come before the experts (kept for the
+     w1/w3 gradient), and in the same launch the GEMMs' row-tile schedule
+     (``plan_rows``)                                   -> rows (P, D), schedule
   2. gate/up grouped GEMM, w1 and w3 in one pass, SwiGLU in the epilogue
                                        -> h (P, H), a1, a3 (P, H) kept for backward
   3. down grouped GEMM, output rows scattered to (token, k) order   -> y (P, D)
@@ -37,9 +38,10 @@ from __future__ import annotations
 import torch
 
 from uniep.backward_state import hold_for_backward, take_for_backward
-from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combine, topk_combine_bwd
+from uniep.kernels.combine import tokens_input_grad, topk_combine, topk_combine_bwd
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.grouped_gemm import ExpertTiles
+from uniep.kernels.plan_rows import plan_rows
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -48,8 +50,9 @@ class _FusedExperts(torch.autograd.Function):
                 tiles: ExpertTiles):
         K = scores_TK.shape[1]
         send_order_P, plan_row = order_2P.unbind()  # each plan row's (token, k) pair, and each pair's plan row
-        rows_PD = replicate_rows(x_TD, K, plan_row, scores_TK if score_before else None)
-        y_PD, state = expert_rows_forward(rows_PD, rows_per_expert_E, w1, w2, w3, tiles, target_row=send_order_P)
+        rows_PD, schedule = plan_rows(x_TD, K, plan_row, rows_per_expert_E, tiles.gemm.block_m,
+                                      scores_TK if score_before else None)
+        y_PD, state = expert_rows_forward(rows_PD, schedule, w1, w2, w3, tiles, target_row=send_order_P)
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K)
         # y and the GEMMs' state are held outside the saved tensors, so the backward can
         # release each once used (and activation checkpointing can drop them).

@@ -14,11 +14,16 @@ launch hooks, global checks; benchmarks/RESULTS.md has the measured costs).
 The direct launch uses Triton internals whose layout is checked only for the versions
 in ``DIRECT_LAUNCH_TRITON``; on others, under the interpreter (``TRITON_INTERPRET=1``)
 and while a launch hook is set (profilers), every launch goes through the JIT. It also
-calls the compiled kernel's native launch function itself, allocating the kernel's
-global and profile scratch as Triton's launcher object would, without that object's
-per-call closures. Host-side sizes use ``cdiv`` and ``next_power_of_2`` here, plain
-integer functions: Triton 3.6's are constexpr functions, each host call a few
-microseconds of argument unwrapping.
+calls the compiled kernel's native launch function itself, without that launcher
+object's per-call closures. The global scratch (where kernels build their tensor
+descriptors) is one buffer per device and stream, kept and grown as needed, not an
+allocation per launch: launches on one stream run one after the other, so none can
+overwrite another's descriptors (a kernel launched to overlap the one before, with
+programmatic dependent launch, gets its own, as the profile scratch always does).
+
+Host-side sizes use ``cdiv`` and ``next_power_of_2`` here, plain integer functions:
+Triton 3.6's are constexpr functions, each host call a few microseconds of argument
+unwrapping.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ class CachedLaunch:
             kernel = self.fn[grid](*args, **kwargs)
             self._compiled[key] = direct_call(kernel.result() if hasattr(kernel, "result") else kernel)
             return kernel
-        return kernel(grid, stream, bound.values())
+        return kernel(grid, device, stream, bound.values())
 
 
 class DirectCall:
@@ -121,18 +126,38 @@ class DirectCall:
         self._scratch = scratch if any(size for size, _, _ in scratch) else None
         self._ctas = run.num_ctas
 
-    def _allocate(self, programs: int, stream: int) -> list:
+    def _allocate(self, programs: int, device: int, stream: int) -> list:
         """(global scratch, profile scratch): ``size`` bytes per program, None where 0."""
-        return [None if size == 0 else allocator.get()(programs * self._ctas * size, align, stream)
-                for size, align, allocator in self._scratch]
+        (size, align, allocator), (profile_size, profile_align, profile_allocator) = self._scratch
+        ctas = programs * self._ctas
+        if size == 0:
+            scratch = None
+        elif self._pdl:
+            scratch = allocator.get()(ctas * size, align, stream)
+        else:
+            scratch = _stream_scratch(ctas * size, align, device, stream)
+        return [scratch, None if profile_size == 0 else profile_allocator.get()(ctas * profile_size, profile_align, stream)]
 
-    def __call__(self, grid: tuple[int, ...], stream: int, args) -> None:
+    def __call__(self, grid: tuple[int, ...], device: int, stream: int, args) -> None:
         grid_x = grid[0]
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
-        scratch = _NO_SCRATCH if self._scratch is None else self._allocate(grid_x * grid_y * grid_z, stream)
+        scratch = _NO_SCRATCH if self._scratch is None else self._allocate(grid_x * grid_y * grid_z, device, stream)
         self._launch(grid_x, grid_y, grid_z, stream, self._function, self._cooperative, self._pdl, *scratch,
                      *self._metadata, *args)
+
+
+_STREAM_SCRATCH: dict[tuple[int, int], tuple[int, int, object]] = {}
+"""(bytes, alignment, buffer) of the global scratch of each (device, stream)."""
+
+
+def _stream_scratch(nbytes: int, align: int, device: int, stream: int):
+    """The global scratch of ``stream`` on ``device``: the one held, or a larger one
+    allocated (with the allocator set, ``triton.set_allocator``) and held from now on."""
+    held = _STREAM_SCRATCH.get((device, stream))
+    if held is None or held[0] < nbytes or held[1] % align:
+        held = _STREAM_SCRATCH[(device, stream)] = (nbytes, align, _allocation._allocator.get()(nbytes, align, stream))
+    return held[2]
 
 
 _NO_SCRATCH = (None, None)
@@ -145,7 +170,7 @@ class _RunCall:
     def __init__(self, kernel):
         self.kernel = kernel
 
-    def __call__(self, grid: tuple[int, ...], stream: int, args) -> None:
+    def __call__(self, grid: tuple[int, ...], device: int, stream: int, args) -> None:
         k = self.kernel
         k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, k.function,
               k.packed_metadata, None, None, None, *args)

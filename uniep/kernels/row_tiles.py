@@ -47,8 +47,11 @@ class RowTiles(NamedTuple):
 
 
 @triton.jit
-def _row_tiles_kernel(rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr, table_ptr, num_experts, table_rows,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+def write_row_tiles(block, rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr, table_ptr, num_experts,
+                    table_rows, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Table rows ``[block * BLOCK_T, (block + 1) * BLOCK_T)`` of the schedule; block 0 also
+    writes the offsets. (A program of ``_row_tiles_kernel``, or of a launch that writes the
+    schedule beside its own work, ``uniep.kernels.plan_rows``.)"""
     es = tl.arange(0, BLOCK_E)
     real = es < num_experts
     counts = tl.load(rows_per_expert_ptr + es, mask=real, other=0).to(tl.int32)
@@ -57,13 +60,13 @@ def _row_tiles_kernel(rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr,
     tile_end = tl.cumsum(tiles, 0)
     row_start = row_end - counts
     tile_start = tile_end - tiles
-    if tl.program_id(0) == 0:
+    if block == 0:
         tl.store(expert_offsets_ptr + es, row_start, mask=real)
         tl.store(tile_offsets_ptr + es, tile_start, mask=real)
         last = es == num_experts - 1
         tl.store(expert_offsets_ptr + es + 1, row_end, mask=last)
         tl.store(tile_offsets_ptr + es + 1, tile_end, mask=last)
-    ms = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ms = block * BLOCK_T + tl.arange(0, BLOCK_T)
     # Tile m's expert: the number of experts whose tiles end at or before m (empty
     # experts end where they start, so they are skipped); past the last tile, the last.
     ended = real[None, :] & (tile_end[None, :] <= ms[:, None])
@@ -77,23 +80,52 @@ def _row_tiles_kernel(rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr,
     tl.store(table_ptr + ms * 3 + 2, end_row, mask=inside)
 
 
+@triton.jit
+def _row_tiles_kernel(rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr, table_ptr, num_experts, table_rows,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    write_row_tiles(tl.program_id(0), rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr, table_ptr,
+                    num_experts, table_rows, BLOCK_M, BLOCK_E, BLOCK_T)
+
+
+class ScheduleLaunch(NamedTuple):
+    """An empty schedule and how ``write_row_tiles`` fills it: ``programs`` blocks of
+    ``block_t`` table rows, experts padded to ``block_e``."""
+
+    schedule: RowTiles
+    programs: int
+    block_e: int
+    block_t: int
+
+    def args(self, rows_per_expert_E: torch.Tensor) -> tuple:
+        """``write_row_tiles``' tensor and integer arguments, from ``rows_per_expert``."""
+        s = self.schedule
+        return rows_per_expert_E, s.expert_offsets, s.tile_offsets, s.table, s.tile_offsets.numel() - 1, s.table.shape[0]
+
+
+def empty_schedule(num_experts: int, block_m: int, num_rows: int, device: torch.device) -> ScheduleLaunch:
+    """The buffers of the schedule of ``num_experts`` experts and ``num_rows`` rows (R or a
+    host-side upper bound of it) in tiles of ``block_m`` rows, and its launch sizes."""
+    E = num_experts
+    T = cdiv(num_rows, block_m) + E
+    buffer = torch.empty(2 * (E + 1) + 3 * T, dtype=torch.int32, device=device)
+    expert_offsets, tile_offsets, table = buffer.split_with_sizes([E + 1, E + 1, 3 * T])  # one op, three views
+    block_e = next_power_of_2(E)
+    # (BLOCK_T, BLOCK_E) tiles of 4096 entries: 32 per thread (16384 spilled at 64 experts)
+    block_t = max(16, min(256, 4096 // block_e))
+    return ScheduleLaunch(RowTiles(expert_offsets, tile_offsets, table.view(T, 3), block_m), cdiv(T, block_t),
+                          block_e, block_t)
+
+
 def row_tiles(rows_per_expert_E: torch.Tensor, block_m: int, num_rows: int) -> RowTiles:
     """The schedule of ``rows_per_expert_E`` (E,) integer rows per expert on the device in
     tiles of ``block_m`` rows; ``num_rows``: R or a host-side upper bound of it (sizes
     the table)."""
-    E = rows_per_expert_E.numel()
-    T = cdiv(num_rows, block_m) + E
-    buffer = torch.empty(2 * (E + 1) + 3 * T, dtype=torch.int32, device=rows_per_expert_E.device)
-    expert_offsets, tile_offsets, table = buffer.split_with_sizes([E + 1, E + 1, 3 * T])  # one op, three views
-    schedule = RowTiles(expert_offsets, tile_offsets, table.view(T, 3), block_m)
-    block_e = next_power_of_2(E)
-    # (BLOCK_T, BLOCK_E) tiles of 4096 entries: 32 per thread (16384 spilled at 64 experts)
-    block_t = max(16, min(256, 4096 // block_e))
-    launcher(_row_tiles_kernel)[(cdiv(T, block_t),)](
-        rows_per_expert_E, schedule.expert_offsets, schedule.tile_offsets, schedule.table, E, T,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t, num_warps=4,
+    launch = empty_schedule(rows_per_expert_E.numel(), block_m, num_rows, rows_per_expert_E.device)
+    launcher(_row_tiles_kernel)[(launch.programs,)](
+        *launch.args(rows_per_expert_E), BLOCK_M=block_m, BLOCK_E=launch.block_e, BLOCK_T=launch.block_t,
+        num_warps=4,
     )
-    return schedule
+    return launch.schedule
 
 
 def row_tiles_reference(rows_per_expert: list[int], block_m: int) -> tuple[list[int], list[int], list[tuple]]:

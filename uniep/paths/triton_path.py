@@ -28,6 +28,7 @@ from uniep.kernels.combine import replicate_rows, tokens_input_grad, topk_combin
 from uniep.kernels.expert_rows import expert_rows_backward, expert_rows_forward
 from uniep.kernels.fused_experts import fused_experts
 from uniep.kernels.grouped_gemm import ExpertTiles
+from uniep.kernels.row_tiles import row_tiles
 from uniep.plan import RoutingPlan, build_plan, device_ints
 from uniep.transport import AllToAllTransport
 
@@ -39,7 +40,8 @@ class _AllToAllFusedExperts(torch.autograd.Function):
         rows_PD = replicate_rows(x_TD, K, plan.send_order_inverse, scores_TK if score_before else None)
         rows_RD = transport.dispatch(rows_PD, plan)
         counts = device_ints(plan.rows_per_local_expert, x_TD.device)
-        y_AD, state = expert_rows_forward(rows_RD, counts, w1, w2, w3, tiles, target_row=plan.row_to_arrival)
+        schedule = row_tiles(counts, tiles.gemm.block_m, rows_RD.shape[0])
+        y_AD, state = expert_rows_forward(rows_RD, schedule, w1, w2, w3, tiles, target_row=plan.row_to_arrival)
         y_PD = transport.return_arrived(y_AD, plan)  # send order
         out_TD = topk_combine(y_PD, None if score_before else scores_TK, K, rows_row_of_pair=plan.send_order_inverse)
         ctx.save_for_backward(x_TD, scores_TK, y_PD, hold_for_backward(state))
