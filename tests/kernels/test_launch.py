@@ -187,7 +187,8 @@ def test_direct_call_allocates_each_scratch_for_every_program(monkeypatch):
 def test_global_scratch_is_one_buffer_per_stream_unless_launches_overlap(monkeypatch):
     """Without programmatic dependent launch, launches on one stream share one global
     scratch, grown when a launch needs more; another stream or device gets its own; a
-    kernel launched with PDL (negative control) allocates its own every launch."""
+    kernel launched with PDL, or any launch while a CUDA graph is being captured
+    (negative controls), allocates its own every launch."""
     allocations = []
 
     def allocate(size, align, stream):
@@ -195,6 +196,8 @@ def test_global_scratch_is_one_buffer_per_stream_unless_launches_overlap(monkeyp
         return f"buffer{len(allocations)}"
 
     monkeypatch.setattr(launch, "_STREAM_SCRATCH", {})
+    capturing = [False]
+    monkeypatch.setattr(launch, "_capturing", lambda: capturing[0])
     token = launch._allocation._allocator.set(allocate)
     try:
         run = FakeCudaLauncher(global_scratch=128)
@@ -207,10 +210,12 @@ def test_global_scratch_is_one_buffer_per_stream_unless_launches_overlap(monkeyp
         pdl = launch.direct_call(_compiled_with(pdl_run))
         pdl((4,), 0, 7, ["x"])
         pdl((4,), 0, 7, ["x"])
+        capturing[0] = True
+        call((4,), 0, 7, ["x"])
     finally:
         launch._allocation._allocator.reset(token)
     assert [args[7] for args in run.launches] == ["buffer1", "buffer1", "buffer1", "buffer2", "buffer3", "buffer4",
-                                                  "buffer2"]
+                                                  "buffer2", "buffer7"]
     assert allocations[:4] == [(4 * 2 * 128, 7), (8 * 2 * 128, 7), (4 * 2 * 128, 8), (4 * 2 * 128, 7)]
     assert [args[7] for args in pdl_run.launches] == ["buffer5", "buffer6"]
 

@@ -19,7 +19,8 @@ object's per-call closures. The global scratch (where kernels build their tensor
 descriptors) is one buffer per device and stream, kept and grown as needed, not an
 allocation per launch: launches on one stream run one after the other, so none can
 overwrite another's descriptors (a kernel launched to overlap the one before, with
-programmatic dependent launch, gets its own, as the profile scratch always does).
+programmatic dependent launch, or one captured into a CUDA graph, whose replays may run
+beside other work, gets its own, as the profile scratch always does).
 
 Host-side sizes use ``cdiv`` and ``next_power_of_2`` here, plain integer functions:
 Triton 3.6's are constexpr functions, each host call a few microseconds of argument
@@ -132,7 +133,7 @@ class DirectCall:
         ctas = programs * self._ctas
         if size == 0:
             scratch = None
-        elif self._pdl:
+        elif self._pdl or _capturing():
             scratch = allocator.get()(ctas * size, align, stream)
         else:
             scratch = _stream_scratch(ctas * size, align, device, stream)
@@ -145,6 +146,11 @@ class DirectCall:
         scratch = _NO_SCRATCH if self._scratch is None else self._allocate(grid_x * grid_y * grid_z, device, stream)
         self._launch(grid_x, grid_y, grid_z, stream, self._function, self._cooperative, self._pdl, *scratch,
                      *self._metadata, *args)
+
+
+def _capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph."""
+    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 _STREAM_SCRATCH: dict[tuple[int, int], tuple[int, int, object]] = {}
