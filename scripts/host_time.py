@@ -1,7 +1,8 @@
 """Host time of a UniEP layer call, part by part: what the CPU spends issuing one
 forward+backward, to find what keeps the device waiting.
 
-    python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--python 30] [--device cuda]
+    python scripts/host_time.py [--shape qwen3_4k] [--calls 20] [--python 30] [--launch-costs 200]
+                                [--device cuda]
 
 For the timed calls, the layer's forward, its router, the routed-expert call (eager: the
 path itself, no custom op), the expert path, the expert autograd function and every
@@ -17,13 +18,19 @@ then as many calls again under cProfile, the backward on the calling thread
 device threads), and the ``N`` Python functions with
 the most self time: microseconds per call, self and inclusive, and calls per call (which
 functions to make cheaper; the profiler's own cost is in these times, not in the timers
-above). ``--device cpu`` runs the Triton interpreter on a tiny shape (tests the script;
-CPU times say nothing about a GPU host).
+above). ``--launch-costs R``: then each Triton launch of one call again, step by step,
+each step ``R`` times (``CachedLaunch.stages``: the binder, the key, the native launch, the
+native launch given tensor addresses as integers, the whole direct launch, the JIT's
+launch), microseconds per launch, median (which part of a launch to make cheaper; the
+kernels run again on stale inputs, so no result of these launches is used).
+``--device cpu`` runs the Triton interpreter on a tiny shape (tests the script; CPU times
+say nothing about a GPU host; the interpreter has no direct launches).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -113,6 +120,60 @@ def python_profile(step, calls: int, top: int) -> list[tuple[str, float, float, 
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def launch_costs(step, repeats: int, sync) -> list[tuple[str, int, dict[str, float]]]:
+    """(kernel, tensor arguments, microseconds per launch of each stage: the median of
+    ``repeats``) for every direct launch of one call of ``step`` (the backward on the
+    calling thread), in launch order."""
+    from uniep.kernels.launch import CachedLaunch
+
+    launches = []
+    original = CachedLaunch._launch
+
+    def recording(self, grid, *args, **kwargs):
+        launches.append((self, grid, args, kwargs))
+        return original(self, grid, *args, **kwargs)
+
+    CachedLaunch._launch = recording
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    finally:
+        CachedLaunch._launch = original
+    sync()
+    rows = []
+    with garbage_collector_paused():
+        for cached, grid, args, kwargs in launches:
+            stages = cached.stages(grid, *args, **kwargs)
+            if stages is None:
+                continue
+            times = {}
+            for name, run in stages.items():
+                samples = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    run()
+                    samples.append(time.perf_counter() - start)
+                sync()
+                times[name] = statistics.median(samples) * 1e6
+            tensors = sum(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+            kernel = getattr(cached.fn, "fn", cached.fn)  # a JIT function's Python function
+            rows.append((getattr(kernel, "__name__", type(kernel).__name__), tensors, times))
+    return rows
+
+
+def print_launch_costs(rows: list[tuple[str, int, dict[str, float]]]) -> None:
+    if not rows:
+        print("launch costs: no direct launches here (the interpreter, another Triton, or a launch hook set)")
+        return
+    names = list(rows[0][2])
+    print("launch costs, us per launch (median), step by step:")
+    print(f"  {'kernel':<34s} {'tensors':>7s} " + " ".join(f"{n:>{max(8, len(n))}s}" for n in names))
+    for kernel, tensors, times in rows:
+        print(f"  {kernel[:34]:<34s} {tensors:7d} " + " ".join(f"{times[n]:{max(8, len(n))}.1f}" for n in names))
+    print(f"  {'sum over the call':<34s} {sum(r[1] for r in rows):7d} "
+          + " ".join(f"{sum(r[2][n] for r in rows):{max(8, len(n))}.1f}" for n in names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3_4k", choices=list(SHAPES))
@@ -120,9 +181,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--python", type=int, default=0, metavar="N",
                         help="also profile as many calls under cProfile and print the N functions with the most self time")
+    parser.add_argument("--launch-costs", type=int, default=0, metavar="R",
+                        help="also time each launch of one call step by step, each step R times")
     args = parser.parse_args()
-    if args.calls < 1 or args.python < 0:
-        sys.exit(f"--calls = {args.calls}, --python = {args.python}: allowed values: calls 1 or more, python 0 or more")
+    if args.calls < 1 or args.python < 0 or args.launch_costs < 0:
+        sys.exit(f"--calls = {args.calls}, --python = {args.python}, --launch-costs = {args.launch_costs}: "
+                 "allowed values: calls 1 or more, python and launch-costs 0 or more")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("host_time.py: no CUDA GPU here (--device cpu runs the Triton interpreter on a tiny shape)")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -174,6 +238,8 @@ def main() -> None:
               "(us per call: self, inclusive; calls per call):")
         for where, self_us, total_us, count in rows:
             print(f"  {self_us:8.1f} {total_us:9.1f} {count:6.1f}  {where[:110]}")
+    if args.launch_costs:
+        print_launch_costs(launch_costs(step, args.launch_costs, sync))
 
 
 if __name__ == "__main__":

@@ -211,7 +211,8 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     gone afterwards. Negative control: a part that is never called reports 0 calls."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_time.py"), "--device", "cpu", "--shape", "tiny",
-                          "--calls", "1"], capture_output=True, text=True, env=env, timeout=600, check=True).stdout
+                          "--calls", "1", "--launch-costs", "2"], capture_output=True, text=True, env=env, timeout=600,
+                         check=True).stdout
     parts = {}
     for line in out.splitlines():
         fields = line.split()
@@ -227,10 +228,12 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     # so are the router's choice and its backward
     assert parts["_swiglu_forward_kernel"][0] == 1.0 and parts["_swiglu_backward_kernel"][0] == 2.0
     assert parts["_router_select_kernel"][0] == parts["_router_select_backward_kernel"][0] == 1.0
-    assert parts["_row_tiles_kernel"][0] == 1.0  # the row-tile schedule, once per forward
     assert parts["_expert_order_kernel"][0] == 1.0  # the routing's counts and send order
-    assert parts["_replicate_rows_kernel"][0] == 1.0  # the token rows copied to plan order
-    assert "Triton launches, 17.0 per call" in out
+    # the token rows copied to plan order and the row-tile schedule, in one launch
+    assert parts["_plan_rows_kernel"][0] == 1.0
+    assert "_row_tiles_kernel" not in parts and "_replicate_rows_kernel" not in parts
+    assert "Triton launches, 16.0 per call" in out
+    assert "launch costs: no direct launches here" in out  # the interpreter launches through the JIT
 
     import host_time
     import triton.runtime.jit as jit
@@ -245,6 +248,34 @@ def test_host_time_reports_every_part_and_restores_the_layer():
     timers.unwrap()
     assert UniEPMoE.forward is forward and jit.JITFunction.run is run
     assert timers.calls["layer forward"] == 0
+
+
+def test_host_time_launch_costs_times_every_stage_of_each_direct_launch(monkeypatch):
+    """``--launch-costs``: a row per direct launch of one call, each stage timed, the
+    call's tensors counted; a kernel launched through the JIT only has none. On a
+    stand-in for Triton 3.6's JIT (``tests/kernels/test_launch.py``)."""
+    import host_time
+
+    from tests.kernels.test_launch import FakeJIT
+    from uniep.kernels import launch
+
+    monkeypatch.setattr(launch, "_device_and_stream", lambda: (0, 1234))
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    x = torch.zeros(4)
+    jit_only = launch.CachedLaunch(FakeJIT(), direct=False)
+
+    def step():
+        cached[(2,)](x, 32, BLOCK=16)
+        jit_only[(2,)](x, 32, BLOCK=16)
+        cached[(2,)](x, 7, BLOCK=16)
+
+    step()
+    step()  # both specializations compiled and kept
+    rows = host_time.launch_costs(step, repeats=3, sync=lambda: None)
+    assert [(name, tensors) for name, tensors, _ in rows] == [("FakeJIT", 1), ("FakeJIT", 1)]
+    assert all(list(times) == ["bind", "key", "native", "native, int addresses", "direct", "jit"]
+               and all(t >= 0 for t in times.values()) for _, _, times in rows)
 
 
 def test_host_time_python_profile_per_call():

@@ -6,6 +6,7 @@ branch that runs only on a GPU is exercised on the CPU; the GPU test
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 
 from uniep.kernels import launch
@@ -89,6 +90,32 @@ def test_a_key_without_the_specialization_would_launch_the_wrong_kernel(on_fake_
         cached[(1,)]("x", n, BLOCK=16)
     aligned = fn.kernels[str(fn._bind("x", 32, 16)[1])]
     assert [r[-2] for r in aligned.runs] == [33]
+
+
+def test_the_stages_of_a_direct_launch_each_do_their_part(on_fake_device):
+    """``stages`` (what ``host_time.py --launch-costs`` times): None until the arguments'
+    kernel is compiled and for a specialization not compiled; then the native launch
+    passes the bound values, or the tensors' addresses as integers; the direct launch
+    skips the JIT and the JIT's own launch does not."""
+    fn = FakeJIT()
+    cached = launch.CachedLaunch(fn, direct=True)
+    x = torch.zeros(4)
+    for _ in range(2):
+        assert cached.stages((5,), x, 32, BLOCK=64) is None
+        cached[(5,)](x, 32, BLOCK=64)  # the binder, then the compiled kernel kept
+    stages = cached.stages((5,), x, 32, BLOCK=64)
+    assert list(stages) == ["bind", "key", "native", "native, int addresses", "direct", "jit"]
+    assert cached.stages((5,), x, 33, BLOCK=64) is None
+    (kernel,) = fn.kernels.values()
+    stages["native"]()
+    stages["native, int addresses"]()
+    assert kernel.runs[0][-3] is x and kernel.runs[1][-3:] == (x.data_ptr(), 32, 64)
+    assert stages["bind"]()[1] == fn._bind(x, 32, 64)[1] and stages["key"]() is not None
+    jit_launches = len(fn.jit_launches)
+    stages["direct"]()
+    assert len(fn.jit_launches) == jit_launches and len(kernel.runs) == 3
+    stages["jit"]()
+    assert len(fn.jit_launches) == jit_launches + 1
 
 
 def test_launch_hooks_and_unsupported_tritons_take_the_jit_path(on_fake_device):

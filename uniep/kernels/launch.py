@@ -101,7 +101,7 @@ class CachedLaunch:
             return self.fn[grid](*args, **kwargs)
         bound, specialization, options = caches[4](*args, **kwargs)
         try:
-            key = (device, tuple(specialization), tuple(options.items()))
+            key = _key(device, specialization, options)
             kernel = self._compiled.get(key)
         except TypeError:  # an unhashable specialization value: leave it to the JIT
             return self.fn[grid](*args, **kwargs)
@@ -110,6 +110,41 @@ class CachedLaunch:
             self._compiled[key] = direct_call(kernel.result() if hasattr(kernel, "result") else kernel)
             return kernel
         return kernel(grid, device, stream, bound.values())
+
+    def stages(self, grid: tuple[int, ...], *args, **kwargs) -> dict[str, object] | None:
+        """The steps of a direct launch of these arguments, each a callable of no
+        arguments, to time one by one (``scripts/host_time.py --launch-costs``): the
+        binder, the key's lookup, the native launch (its scratch included), the native
+        launch given the tensors' addresses as integers (Triton's C launcher then skips a
+        driver query per tensor), the whole direct launch and the JIT's own launch. None
+        unless these arguments' kernel is launched directly (compiled, on a checked
+        Triton, no launch hook)."""
+        if not self.direct or _launch_hooks_set():
+            return None
+        device, stream = _device_and_stream()
+        caches = self.fn.device_caches.get(device)
+        if caches is None:
+            return None
+        binder = caches[4]
+        bound, specialization, options = binder(*args, **kwargs)
+        kernel = self._compiled.get(_key(device, specialization, options))
+        if kernel is None:
+            return None
+        values = list(bound.values())
+        addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+        return {
+            "bind": lambda: binder(*args, **kwargs),
+            "key": lambda: self._compiled.get(_key(device, specialization, options)),
+            "native": lambda: kernel(grid, device, stream, values),
+            "native, int addresses": lambda: kernel(grid, device, stream, addresses),
+            "direct": lambda: self._launch(grid, *args, **kwargs),
+            "jit": lambda: self.fn[grid](*args, **kwargs),
+        }
+
+
+def _key(device: int, specialization: list, options: dict) -> tuple:
+    """The compiled kernel's key: the device and the binder's specialization and options."""
+    return device, tuple(specialization), tuple(options.items())
 
 
 class DirectCall:
