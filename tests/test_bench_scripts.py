@@ -508,3 +508,37 @@ def test_ab_trees_runs_each_tree_in_its_own_process_on_cpu(tmp_path):
     refused = subprocess.run([sys.executable, script, str(ROOT), str(tmp_path), "--device", "cpu", "--shapes", "tiny"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "lacks uniep/__init__.py" in refused.stderr
+
+
+def test_bench_router_checks_and_times_every_setting(monkeypatch):
+    """bench_router.py on the CPU (tiny shape): a row per gate setting, the default's
+    bits equal to themselves, one row per expert-order setting with the default's
+    result; negative control: an expert order that differs is called WRONG; a setting
+    that is not a power of 2 is refused before any work."""
+    import argparse
+
+    import bench_router
+
+    args = argparse.Namespace(rows=[16, 32], block_k=[16], warps=[4], stages=[2], order_blocks=[64, 128],
+                              order_warps=[4], iters=1, device="cpu")
+    lines = bench_router.gate_rows("tiny", args)
+    gate = [line for line in lines if "logits max |err|" in line]
+    assert len(gate) == 3  # the default and the two settings asked for
+    assert "(default)" in gate[0] and "bits as default True, experts as default True" in gate[0]
+    assert all(float(line.split("|err| ")[1].split(",")[0]) < 1e-4 for line in gate)  # fp32 logits on the CPU
+    order = [line for line in lines if line.strip().startswith("block ")]
+    assert len(order) == 2 and all("same result" in line for line in order)
+
+    real = bench_router.expert_order_triton
+
+    def wrong_for_big_blocks(idx, num_experts, block=bench_router.BLOCK, num_warps=8):
+        counts, order_2P = real(idx, num_experts, block=block, num_warps=num_warps)
+        return counts, (order_2P.flip(1) if block == 128 else order_2P)
+
+    monkeypatch.setattr(bench_router, "expert_order_triton", wrong_for_big_blocks)
+    idx = torch.randint(0, 8, (64, 3))
+    rows = bench_router.order_rows(idx, 8, args)
+    assert "same result" in rows[1] and "WRONG" in rows[2]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--device", "cpu", "--shapes",
+                          "tiny", "--rows", "24"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--rows = [24]: allowed values: powers of 2" in out.stderr

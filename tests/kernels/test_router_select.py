@@ -97,11 +97,13 @@ def test_each_token_is_independent_of_the_batch():
             assert torch.equal(a, b), size
 
 
-@pytest.mark.parametrize("with_gate_bias", [False, True])
-def test_the_gate_launch_computes_the_linear_layer_and_each_token_alone(with_gate_bias):
+@pytest.mark.parametrize("with_gate_bias, tiles", [(False, rs.GATE_TILES), (True, rs.GATE_TILES),
+                                                   (False, rs.GateTiles(rows=16, block_k=32, num_warps=4, num_stages=2))])
+def test_the_gate_launch_computes_the_linear_layer_and_each_token_alone(with_gate_bias, tiles):
     """``router_gate_select``'s logits are the gate's ``x @ W^T + b`` (float64), its choice
     that of ``router_select_forward`` on them, and every output of a token bit for bit
-    the same in a batch of 70 (three programs), 5 or 1 tokens."""
+    the same in a batch of 70 (three programs by default), 5 or 1 tokens, with the
+    default tiles and others."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(70, 96, dtype=torch.float64, generator=gen)
     weight = torch.randn(24, 96, dtype=torch.float64, generator=gen) * 0.2
@@ -110,7 +112,7 @@ def test_the_gate_launch_computes_the_linear_layer_and_each_token_alone(with_gat
     settings = dict(sigmoid=True, route_norm=True, route_scale=1.5, expert_bias_E=expert_bias)
 
     def run(rows):
-        return rs.router_gate_select(x[rows], weight, gate_bias, 3, **settings)
+        return rs.router_gate_select(x[rows], weight, gate_bias, 3, tiles=tiles, **settings)
 
     top, idx, logits = whole = run(slice(0, 70))
     expected = x @ weight.t() + (0 if gate_bias is None else gate_bias)

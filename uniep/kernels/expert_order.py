@@ -30,7 +30,7 @@ import triton.language as tl
 from uniep.kernels.launch import launcher
 from uniep.plan import expert_order
 
-_BLOCK = 4096
+BLOCK = 4096
 """Pair ids per step: 16 int64 per thread at 8 warps."""
 MAX_PAIRS = 2**15
 """The most pairs ``expert_order_on_triton`` orders in the launch (above: the sort)."""
@@ -59,17 +59,20 @@ def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, num_pairs, num_experts,
         place += tl.sum(mine, axis=0)
 
 
-def expert_order_triton(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_order_triton(topk_idx_TK: torch.Tensor, num_experts: int, *, block: int = BLOCK,
+                        num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts_E, order_2P)`` int64, as ``uniep.plan.expert_order``, in one launch:
-    ``topk_idx_TK`` integer expert ids in [0, E), any shape."""
+    ``topk_idx_TK`` integer expert ids in [0, E), any shape. ``block`` (a power of 2) pair
+    ids per step and ``num_warps`` change the time, not the result
+    (``scripts/bench_router.py``)."""
     ids_P = topk_idx_TK.reshape(-1).contiguous()
     P = ids_P.numel()
     if P >= 2**31:
         raise ValueError(f"expert_order_triton: {P} pairs; at most 2**31 - 1 (int32 positions)")
     counts_E = torch.empty(num_experts, dtype=torch.int64, device=ids_P.device)
     order_2P = torch.empty(2, P, dtype=torch.int64, device=ids_P.device)
-    launcher(_expert_order_kernel)[(num_experts,)](ids_P, counts_E, order_2P, P, num_experts, BLOCK=_BLOCK,
-                                                   num_warps=8)
+    launcher(_expert_order_kernel)[(num_experts,)](ids_P, counts_E, order_2P, P, num_experts, BLOCK=block,
+                                                   num_warps=num_warps)
     return counts_E, order_2P
 
 

@@ -29,6 +29,8 @@ these launches through ``uniep.router_op``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -216,14 +218,29 @@ def router_select_forward(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool,
     return top_TK, idx_TK
 
 
-_GATE_ROWS = 32
-"""Tokens per program of the gate launch (at 4096 tokens, about one program per SM)."""
-_GATE_BLOCK_K = 64
+@dataclass(frozen=True)
+class GateTiles:
+    """How the gate launch (``router_gate_select``) tiles its work. Every setting keeps a
+    token's bits independent of the rows beside it; ``block_k`` (the fp32 sums' order
+    within a step) and ``rows`` (which dot instruction) may change the logits' last bits.
+    ``scripts/bench_router.py`` times settings against each other."""
+
+    rows: int = 32
+    """Tokens per program (at 4096 tokens, about one program per SM)."""
+    block_k: int = 64
+    """Model-dim columns per step of the dot products."""
+    num_warps: int = 0
+    """0: 4 up to 128 experts, else 8."""
+    num_stages: int = 3
+
+
+GATE_TILES = GateTiles()
 
 
 def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, *,
                        sigmoid: bool, route_norm: bool, route_scale: float, expert_bias_E: torch.Tensor | None = None,
-                       topk_idx_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       topk_idx_TK: torch.Tensor | None = None,
+                       tiles: GateTiles = GATE_TILES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(top_scores_TK fp32, topk_idx_TK int64, logits_TE)`` of the tokens ``x_TD``: the
     gate's logits ``x @ weight^T (+ bias)`` (in x's dtype, one dot product per token and
     expert, summed over D in order in fp32, float64 for float64 x) and
@@ -244,14 +261,14 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
     top_TK, idx_TK = _choice_outputs(x_TD, top_k, topk_idx_TK)
     if T:
         block_e = max(16, next_power_of_2(E))  # a dot's tile is at least 16 wide
-        launcher(_router_gate_kernel)[(cdiv(T, _GATE_ROWS),)](
+        launcher(_router_gate_kernel)[(cdiv(T, tiles.rows),)](
             x_TD, weight_ED, bias_E, logits_TE, None if expert_bias_E is None else expert_bias_E.contiguous(),
             idx_TK, top_TK, T, E, D,
             x_TD.stride(0), float(route_scale), K=top_k, KP=next_power_of_2(top_k), BLOCK_E=block_e,
-            ROWS=_GATE_ROWS, BLOCK_K=_GATE_BLOCK_K, SIGMOID=sigmoid, HAS_GATE_BIAS=bias_E is not None,
+            ROWS=tiles.rows, BLOCK_K=tiles.block_k, SIGMOID=sigmoid, HAS_GATE_BIAS=bias_E is not None,
             HAS_BIAS=expert_bias_E is not None, SELECT=select, ROUTE_NORM=route_norm,
             DOT_PRECISION=dot_precision(x_TD.dtype), ACC_DTYPE=tl.float64 if x_TD.dtype == torch.float64 else tl.float32,
-            num_warps=4 if block_e <= 128 else 8, num_stages=3)
+            num_warps=tiles.num_warps or (4 if block_e <= 128 else 8), num_stages=tiles.num_stages)
     return top_TK, idx_TK, logits_TE
 
 
