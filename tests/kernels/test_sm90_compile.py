@@ -41,6 +41,8 @@ ROUTER = "router_select"
 ROUTER_BWD = "router_select_backward"
 SWIGLU_BWD = "swiglu_backward"
 EXPERT_ORDER = "expert_order"
+ROUTER_GATE = "router_gate"
+PLAN_ROWS = "plan_rows"
 CASES = {
     "gate/up": (GEMM, dict(MODE=1, BLOCK_N=128)),
     "down, scattered to (token, k)": (GEMM, dict(MODE=0, HAS_C_ROW=True)),
@@ -65,6 +67,12 @@ CASES = {
     "router choice replayed, sigmoid, biased (DeepSeek-V3-671B: E 256)": (
         ROUTER, dict(SELECT=False, SIGMOID=True, HAS_BIAS=True, BLOCK_E=256)),
     "router choice backward": (ROUTER_BWD, dict()),
+    "router gate and choice (Qwen3: E 128, K 8)": (ROUTER_GATE, dict()),
+    "router gate and choice, sigmoid, biased (DeepSeek-V3-671B slice: E 32)": (
+        ROUTER_GATE, dict(SIGMOID=True, HAS_BIAS=True, BLOCK_E=32)),
+    "plan rows (the row copy and the row-tile schedule, Qwen3)": (PLAN_ROWS, dict()),
+    "plan rows, copies scaled (scores before the experts), D 7168": (PLAN_ROWS, dict(HAS_SCALE=True, BLOCK_E=32,
+                                                                                     BLOCK_T=128)),
     "expert order (the plan's counting sort)": (EXPERT_ORDER, dict()),
     "SwiGLU backward, in place (routed experts)": (SWIGLU_BWD, dict()),
     "SwiGLU backward, into a stacked buffer (shared experts)": (SWIGLU_BWD, dict(STRIDED_OUT=True)),
@@ -86,10 +94,11 @@ CASES = {
 def compile_sm90(name: str) -> dict:
     """Compile case ``name`` for sm_90 (run without ``TRITON_INTERPRET``)."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from uniep.kernels import expert_order, grouped_gemm, router_select, swiglu, wgrad
+    from uniep.kernels import expert_order, grouped_gemm, plan_rows, router_select, swiglu, wgrad
 
     kind, changes = CASES[name]
     changes = dict(changes)
@@ -110,7 +119,23 @@ def compile_sm90(name: str) -> dict:
     elif kind == EXPERT_ORDER:
         kernel = expert_order._expert_order_kernel
         types = dict(ids_ptr="*i64", counts_ptr="*i64", order_ptr="*i64", num_pairs="i32", num_experts="i32")
-        constants = dict(BLOCK=expert_order._BLOCK)
+        constants = dict(BLOCK=expert_order.BLOCK)
+    elif kind == ROUTER_GATE:
+        kernel = router_select._router_gate_kernel
+        types = dict.fromkeys(("x_ptr", "w_ptr", "gate_bias_ptr", "logits_ptr"), "*bf16")
+        types |= dict(bias_ptr="*fp32", idx_ptr="*i64", top_ptr="*fp32", T="i32", E="i32", D="i32", stride_x="i32",
+                      route_scale="fp32")
+        tiles = router_select.GATE_TILES
+        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=tiles.rows, BLOCK_K=tiles.block_k, SIGMOID=False,
+                         HAS_GATE_BIAS=False, HAS_BIAS=False, SELECT=True, ROUTE_NORM=True, DOT_PRECISION="tf32",
+                         ACC_DTYPE=tl.float32)
+        num_warps, num_stages = 4, tiles.num_stages
+    elif kind == PLAN_ROWS:
+        kernel = plan_rows._plan_rows_kernel
+        types = dict(x_ptr="*bf16", row_of_pair_ptr="*i64", scale_ptr="*fp32", out_ptr="*bf16", D="i32",
+                     rows_per_expert_ptr="*i64", expert_offsets_ptr="*i32", tile_offsets_ptr="*i32", table_ptr="*i32",
+                     num_experts="i32", table_rows="i32", schedule_programs="i32")
+        constants = dict(K=8, HAS_SCALE=False, BLOCK_D=2048, BLOCK_M=128, BLOCK_E=128, BLOCK_T=32)
     elif kind == SWIGLU_BWD:
         kernel = swiglu._swiglu_backward_kernel
         types = dict.fromkeys(("g_ptr", "a1_ptr", "a3_ptr", "d_a1_ptr", "d_a3_ptr"), "*bf16")
