@@ -514,8 +514,14 @@ def tma_readable(t: torch.Tensor | None) -> bool:
     dim contiguous, 16-byte aligned base and strides); None reads as True (no operand)."""
     if t is None:
         return True
+    *outer, last = t.stride()
+    if last != 1 or t.data_ptr() % 16 or not t.numel():
+        return False
     align = 16 // t.element_size()
-    return t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in t.stride()[:-1])
+    for stride in outer:  # (a loop: called per launch operand, a generator costs more than the test)
+        if stride % align:
+            return False
+    return True
 
 
 def _scratch_on(device_type: str):
