@@ -205,9 +205,10 @@ def replicate_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor,
     T, D = x_TD.shape
     out = x_TD.new_empty(T * top_k, D)
     if T:
-        launcher(_replicate_rows_kernel)[(T, cdiv(D, block_d(D)))](
+        columns = block_d(D)
+        launcher(_replicate_rows_kernel)[(T, cdiv(D, columns))](
             x_TD, row_of_pair, None if scale_TK is None else scale_TK.contiguous(), out, D, K=top_k,
-            HAS_SCALE=scale_TK is not None, BLOCK_D=block_d(D), num_warps=NUM_WARPS)
+            HAS_SCALE=scale_TK is not None, BLOCK_D=columns, num_warps=NUM_WARPS)
     return out
 
 

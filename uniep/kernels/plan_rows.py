@@ -54,10 +54,11 @@ def plan_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor, rows_pe
     P = T * top_k
     out = x_TD.new_empty(P, D)
     launch = empty_schedule(rows_per_expert_E.numel(), block_m, P, x_TD.device)
-    launcher(_plan_rows_kernel)[(launch.programs + T, cdiv(D, block_d(D)))](
+    columns = block_d(D)
+    launcher(_plan_rows_kernel)[(launch.programs + T, cdiv(D, columns))](
         x_TD, row_of_pair, None if scale_TK is None else scale_TK.contiguous(), out, D,
         *launch.args(rows_per_expert_E), launch.programs,
-        K=top_k, HAS_SCALE=scale_TK is not None, BLOCK_D=block_d(D),
+        K=top_k, HAS_SCALE=scale_TK is not None, BLOCK_D=columns,
         BLOCK_M=block_m, BLOCK_E=launch.block_e, BLOCK_T=launch.block_t, num_warps=NUM_WARPS,
     )
     return out, launch.schedule

@@ -88,10 +88,13 @@ def _row_tiles_kernel(rows_per_expert_ptr, expert_offsets_ptr, tile_offsets_ptr,
 
 
 class ScheduleLaunch(NamedTuple):
-    """An empty schedule and how ``write_row_tiles`` fills it: ``programs`` blocks of
-    ``block_t`` table rows, experts padded to ``block_e``."""
+    """An empty schedule of ``num_experts`` experts and ``table_rows`` row tiles, and how
+    ``write_row_tiles`` fills it: ``programs`` blocks of ``block_t`` table rows, experts
+    padded to ``block_e``."""
 
     schedule: RowTiles
+    num_experts: int
+    table_rows: int
     programs: int
     block_e: int
     block_t: int
@@ -99,7 +102,7 @@ class ScheduleLaunch(NamedTuple):
     def args(self, rows_per_expert_E: torch.Tensor) -> tuple:
         """``write_row_tiles``' tensor and integer arguments, from ``rows_per_expert``."""
         s = self.schedule
-        return rows_per_expert_E, s.expert_offsets, s.tile_offsets, s.table, s.tile_offsets.numel() - 1, s.table.shape[0]
+        return rows_per_expert_E, s.expert_offsets, s.tile_offsets, s.table, self.num_experts, self.table_rows
 
 
 def empty_schedule(num_experts: int, block_m: int, num_rows: int, device: torch.device) -> ScheduleLaunch:
@@ -112,7 +115,7 @@ def empty_schedule(num_experts: int, block_m: int, num_rows: int, device: torch.
     block_e = next_power_of_2(E)
     # (BLOCK_T, BLOCK_E) tiles of 4096 entries: 32 per thread (16384 spilled at 64 experts)
     block_t = max(16, min(256, 4096 // block_e))
-    return ScheduleLaunch(RowTiles(expert_offsets, tile_offsets, table.view(T, 3), block_m), cdiv(T, block_t),
+    return ScheduleLaunch(RowTiles(expert_offsets, tile_offsets, table.view(T, 3), block_m), E, T, cdiv(T, block_t),
                           block_e, block_t)
 
 
