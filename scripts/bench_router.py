@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES  # noqa: E402
 
-from uniep.kernels.expert_order import BLOCK, MAX_PAIRS, expert_order_triton  # noqa: E402
+from uniep.kernels.expert_order import BLOCK, MAX_PAIRS, NUM_WARPS, expert_order_triton  # noqa: E402
 from uniep.kernels.router_select import GATE_TILES, GateTiles, router_gate_select  # noqa: E402
 
 SLEEP_CYCLES = 200_000
@@ -107,7 +107,7 @@ def order_rows(idx: torch.Tensor, num_experts: int, args) -> list[str]:
             lines.append(f"    {name}: cannot launch: {type(e).__name__}: {str(e)[:80]}")
             continue
         same = torch.equal(counts, base[0]) and torch.equal(order, base[1])
-        default = "  (default)" if (block, warps) == (BLOCK, 8) else ""
+        default = "  (default)" if (block, warps) == (BLOCK, NUM_WARPS) else ""
         lines.append(f"    {name}: {us:8.1f} us  {'same result' if same else 'WRONG: not the default result'}{default}")
     return lines
 

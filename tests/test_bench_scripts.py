@@ -531,7 +531,7 @@ def test_bench_router_checks_and_times_every_setting(monkeypatch):
 
     real = bench_router.expert_order_triton
 
-    def wrong_for_big_blocks(idx, num_experts, block=bench_router.BLOCK, num_warps=8):
+    def wrong_for_big_blocks(idx, num_experts, block=bench_router.BLOCK, num_warps=bench_router.NUM_WARPS):
         counts, order_2P = real(idx, num_experts, block=block, num_warps=num_warps)
         return counts, (order_2P.flip(1) if block == 128 else order_2P)
 

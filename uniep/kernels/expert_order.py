@@ -31,7 +31,8 @@ from uniep.kernels.launch import launcher
 from uniep.plan import expert_order
 
 BLOCK = 4096
-"""Pair ids per step: 16 int64 per thread at 8 warps."""
+"""Pair ids per step: 16 int64 per thread at ``NUM_WARPS`` warps."""
+NUM_WARPS = 8
 MAX_PAIRS = 2**15
 """The most pairs ``expert_order_on_triton`` orders in the launch (above: the sort)."""
 
@@ -60,7 +61,7 @@ def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, num_pairs, num_experts,
 
 
 def expert_order_triton(topk_idx_TK: torch.Tensor, num_experts: int, *, block: int = BLOCK,
-                        num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts_E, order_2P)`` int64, as ``uniep.plan.expert_order``, in one launch:
     ``topk_idx_TK`` integer expert ids in [0, E), any shape. ``block`` (a power of 2) pair
     ids per step and ``num_warps`` change the time, not the result

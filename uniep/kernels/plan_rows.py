@@ -24,6 +24,7 @@ import triton.language as tl
 from uniep.kernels.combine import NUM_WARPS, block_d, check_replicate_args, copy_token_row
 from uniep.kernels.launch import cdiv, launcher
 from uniep.kernels.row_tiles import RowTiles, empty_schedule, row_tiles_reference, write_row_tiles
+from uniep.plan import inverse_permutation
 
 
 @triton.jit
@@ -67,8 +68,7 @@ def plan_rows(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor, rows_pe
 def plan_rows_reference(x_TD: torch.Tensor, top_k: int, row_of_pair: torch.Tensor, rows_per_expert: list[int],
                         block_m: int, scale_TK: torch.Tensor | None = None):
     """``(rows, (expert offsets, tile offsets, table rows))`` in PyTorch and plain Python."""
-    order = torch.empty_like(row_of_pair)
-    order[row_of_pair] = torch.arange(row_of_pair.numel(), device=row_of_pair.device)
+    order = inverse_permutation(row_of_pair)  # each plan row's pair
     rows = x_TD.index_select(0, order // top_k)
     if scale_TK is not None:
         rows = (rows.float() * scale_TK.reshape(-1)[order, None]).to(x_TD.dtype)
