@@ -42,14 +42,16 @@ def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, num_pairs, num_experts,
     # order_ptr: (2, num_pairs), the order, then its inverse
     e = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
-    start = tl.full((), 0, tl.int32)
-    count = tl.full((), 0, tl.int32)
+    # per-lane tallies, summed across the block once (not a reduction per step)
+    below = tl.zeros((BLOCK,), tl.int32)
+    of_e = tl.zeros((BLOCK,), tl.int32)
     for p0 in range(0, num_pairs, BLOCK):
         # past the end: an id no expert has (counted neither below nor as e)
         ids = tl.load(ids_ptr + p0 + offsets, mask=p0 + offsets < num_pairs, other=num_experts)
-        start += tl.sum((ids < e).to(tl.int32), axis=0)
-        count += tl.sum((ids == e).to(tl.int32), axis=0)
-    tl.store(counts_ptr + e, count.to(tl.int64))
+        below += (ids < e).to(tl.int32)
+        of_e += (ids == e).to(tl.int32)
+    start = tl.sum(below, axis=0)
+    tl.store(counts_ptr + e, tl.sum(of_e, axis=0).to(tl.int64))
     place = start
     for p0 in range(0, num_pairs, BLOCK):
         ids = tl.load(ids_ptr + p0 + offsets, mask=p0 + offsets < num_pairs, other=num_experts)
