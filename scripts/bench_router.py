@@ -16,7 +16,9 @@ difference from an fp32 GEMM, whether their bits and the chosen experts equal th
 default's (other steps over the model dim round differently: same bits are not
 required there), and for the expert order, which is exact, that the counts and the
 order equal the default's (else the row says WRONG). A setting that cannot launch is
-reported and not timed. ``--device cpu`` runs the Triton interpreter on the tiny shape
+reported and not timed. For comparison, the gate as two launches (cuBLAS's GEMM on
+fixed row blocks, then the choice launch): the path the fused gate replaced, and the
+one a layer with shared experts takes. ``--device cpu`` runs the Triton interpreter on the tiny shape
 (tests the script; its times say nothing).
 """
 
@@ -34,8 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES  # noqa: E402
 
+from uniep.batch_invariant import blocked_mm, padded_to_blocks, rows_per_block  # noqa: E402
 from uniep.kernels.expert_order import BLOCK, MAX_PAIRS, NUM_WARPS, expert_order_triton  # noqa: E402
-from uniep.kernels.router_select import GATE_TILES, GateTiles, router_gate_select  # noqa: E402
+from uniep.kernels.router_select import GATE_TILES, GateTiles, router_gate_select, router_select_forward  # noqa: E402
 
 SLEEP_CYCLES = 200_000
 """The sleep kernel before each timed launch: about 0.1 ms, longer than the host takes
@@ -89,9 +92,28 @@ def gate_rows(shape: str, args) -> list[str]:
         err = (logits.float() - fp32).abs().max().item()
         lines.append(f"  {name}: {us:8.1f} us  logits max |err| {err:.2e}, bits as default {torch.equal(logits, base_logits)}, "
                      f"experts as default {torch.equal(idx, base_idx)}{'  (default)' if tiles == GATE_TILES else ''}")
+    lines.append(two_launches_row(x, w, K, settings, base_idx, args))
     if T * K <= MAX_PAIRS:
         lines += order_rows(base_idx, E, args)
     return lines
+
+
+def two_launches_row(x, w, top_k: int, settings: dict, base_idx: torch.Tensor, args) -> str:
+    """The gate as two launches, for comparison: cuBLAS's GEMM on the fixed row blocks of
+    ``uniep.batch_invariant`` (what the shared experts' launch computes the logits with),
+    then the choice launch (``router_select_forward``)."""
+    block = rows_per_block(x.device)
+    x_pad = padded_to_blocks(x, block)
+    logits_pad = x_pad.new_empty(x_pad.shape[0], w.shape[0])
+
+    def two_launches():
+        logits = blocked_mm(x_pad, w.t(), logits_pad, block)[:x.shape[0]]
+        return router_select_forward(logits, top_k, **settings)
+
+    _, idx = two_launches()
+    us = device_us(two_launches, args.iters, args.device)
+    return (f"  two launches (GEMM on {block}-row blocks, then the choice): {us:8.1f} us  "
+            f"experts as default {torch.equal(idx, base_idx)}")
 
 
 def order_rows(idx: torch.Tensor, num_experts: int, args) -> list[str]:

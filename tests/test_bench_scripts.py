@@ -512,7 +512,7 @@ def test_ab_trees_runs_each_tree_in_its_own_process_on_cpu(tmp_path):
 
 def test_bench_router_checks_and_times_every_setting(monkeypatch):
     """bench_router.py on the CPU (tiny shape): a row per gate setting, the default's
-    bits equal to themselves, one row per expert-order setting with the default's
+    bits equal to themselves, the two-launch gate's row, one row per expert-order setting with the default's
     result; negative control: an expert order that differs is called WRONG; a setting
     that is not a power of 2 is refused before any work."""
     import argparse
@@ -526,6 +526,8 @@ def test_bench_router_checks_and_times_every_setting(monkeypatch):
     assert len(gate) == 3  # the default and the two settings asked for
     assert "(default)" in gate[0] and "bits as default True, experts as default True" in gate[0]
     assert all(float(line.split("|err| ")[1].split(",")[0]) < 1e-4 for line in gate)  # fp32 logits on the CPU
+    two = [line for line in lines if "two launches" in line]
+    assert len(two) == 1 and "experts as default True" in two[0]  # fp32: the GEMM's logits choose alike
     order = [line for line in lines if line.strip().startswith("block ")]
     assert len(order) == 2 and all("same result" in line for line in order)
 
