@@ -82,7 +82,7 @@ def gate_rows(shape: str, args) -> list[str]:
     variants = [GateTiles(r, bk, w_, s) for r, bk, w_, s in itertools.product(args.rows, args.block_k, args.warps,
                                                                               args.stages)]
     for tiles in [GATE_TILES] + [v for v in variants if v != GATE_TILES]:
-        name = f"rows {tiles.rows:3d} block_k {tiles.block_k:3d} warps {tiles.num_warps or 'auto'} stages {tiles.num_stages}"
+        name = f"rows {tiles.rows or 'auto':>4} block_k {tiles.block_k:3d} warps {tiles.num_warps} stages {tiles.num_stages}"
         try:
             _, idx, logits = gate(tiles)
             us = device_us(lambda: gate(tiles), args.iters, args.device)

@@ -240,3 +240,18 @@ def test_the_gate_launch_refuses_mismatched_inputs():
                               route_scale=1.0)
     with pytest.raises(ValueError, match=r"expected \(8, 32\)"):
         rs.router_gate_select(x, torch.randn(8, 31), None, 2, sigmoid=True, route_norm=False, route_scale=1.0)
+
+
+def test_gate_tiles_fit_the_expert_count_and_shared_memory():
+    """Rows per program: 64 up to 128 experts, 32 above, a given count as given; stages:
+    the most up to ``num_stages`` whose tiles fit the limit, at least one."""
+    from uniep.kernels.grouped_gemm import H200_SMEM_PER_BLOCK, shared_memory_bytes
+
+    assert [rs.gate_rows(rs.GATE_TILES, e) for e in (16, 128, 256, 512)] == [64, 64, 32, 32]
+    assert rs.gate_rows(rs.GateTiles(rows=16), 512) == 16
+    assert rs.gate_stages(rs.GATE_TILES, 128, 2, H200_SMEM_PER_BLOCK) == rs.GATE_TILES.num_stages
+    limit = 100_000
+    stages = rs.gate_stages(rs.GATE_TILES, 512, 2, limit)
+    assert 1 <= stages < rs.GATE_TILES.num_stages
+    assert shared_memory_bytes(32, 512, 64, stages, 2) <= limit < shared_memory_bytes(32, 512, 64, stages + 1, 2)
+    assert rs.gate_stages(rs.GATE_TILES, 512, 2, 1) == 1

@@ -70,6 +70,7 @@ CASES = {
     "router gate and choice (Qwen3: E 128, K 8)": (ROUTER_GATE, dict()),
     "router gate and choice, sigmoid, biased (DeepSeek-V3-671B slice: E 32)": (
         ROUTER_GATE, dict(SIGMOID=True, HAS_BIAS=True, BLOCK_E=32)),
+    "router gate and choice, 256 experts (32 rows a program)": (ROUTER_GATE, dict(BLOCK_E=256)),
     "plan rows (the row copy and the row-tile schedule, Qwen3)": (PLAN_ROWS, dict()),
     "plan rows, copies scaled (scores before the experts), D 7168": (PLAN_ROWS, dict(HAS_SCALE=True, BLOCK_E=32,
                                                                                      BLOCK_T=128)),
@@ -126,10 +127,14 @@ def compile_sm90(name: str) -> dict:
         types |= dict(bias_ptr="*fp32", idx_ptr="*i64", top_ptr="*fp32", T="i32", E="i32", D="i32", stride_x="i32",
                       route_scale="fp32")
         tiles = router_select.GATE_TILES
-        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=tiles.rows, BLOCK_K=tiles.block_k, SIGMOID=False,
+        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=0, BLOCK_K=tiles.block_k, SIGMOID=False,
                          HAS_GATE_BIAS=False, HAS_BIAS=False, SELECT=True, ROUTE_NORM=True, DOT_PRECISION="tf32",
                          ACC_DTYPE=tl.float32)
-        num_warps, num_stages = 4, tiles.num_stages
+        # the launch's warps, and its stages fitted to shared memory as the launch fits them
+        block_e = changes.get("BLOCK_E", 128)
+        constants["ROWS"] = router_select.gate_rows(tiles, block_e)
+        num_warps = tiles.num_warps
+        num_stages = router_select.gate_stages(tiles, block_e, 2, H200_SMEM_PER_BLOCK)
     elif kind == PLAN_ROWS:
         kernel = plan_rows._plan_rows_kernel
         types = dict(x_ptr="*bf16", row_of_pair_ptr="*i64", scale_ptr="*fp32", out_ptr="*bf16", D="i32",
@@ -228,6 +233,16 @@ def test_float32_fitted_tiles_do_not_spill(compiled, name):
         pytest.skip("no cuobjdump with this Triton")
     assert stack <= 64, stack
     assert compiled["float32 at the bf16 tiles (control)"]["stack"] > 4096
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == ROUTER_GATE])
+def test_gate_launch_keeps_its_logits_in_registers(compiled, name):
+    """The gate launch's default rows per program (``gate_rows``) leave its fp32 logits
+    in registers: no stack (64 rows of 256 experts spilled 24 bytes per thread)."""
+    stack = compiled[name]["stack"]
+    if stack is None:
+        pytest.skip("no cuobjdump with this Triton")
+    assert stack == 0, stack
 
 
 def test_the_controls_fail_here(compiled):

@@ -15,8 +15,8 @@ PyTorch reference (a radix sort, a search and a difference: four host ops and a 
 device launches).
 
 Each program reads every id, so the launch's time grows with P where the sort's hardly
-does: on an H100, 25 us at 32768 pairs (the ops it replaces: 34 us) and 97 us at 131072
-(they: 39 us). ``expert_order_on_triton`` therefore takes it up to ``MAX_PAIRS`` pairs,
+does: on an H100 in the twenty-eighth session's profile, 25 us at 32768 pairs (the ops
+it replaces: 34 us) and 97 us at 131072 (they: 39 us). ``expert_order_on_triton`` therefore takes it up to ``MAX_PAIRS`` pairs,
 where it is faster on the device too, and the sort above; the host saves the four ops
 (0.2 ms of a forward's host time at 32768 pairs, ``benchmarks/RESULTS.md``).
 """
@@ -30,8 +30,9 @@ import triton.language as tl
 from uniep.kernels.launch import launcher
 from uniep.plan import expert_order
 
-BLOCK = 4096
-"""Pair ids per step: 16 int64 per thread at ``NUM_WARPS`` warps."""
+BLOCK = 8192
+"""Pair ids per step: 32 int64 per thread at ``NUM_WARPS`` warps (on an H100 at 32768
+pairs: 28.7 us against 31.6 at 4096, ``benchmarks/RESULTS.md``, forty-first session)."""
 NUM_WARPS = 8
 MAX_PAIRS = 2**15
 """The most pairs ``expert_order_on_triton`` orders in the launch (above: the sort)."""

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from uniep.kernels.grouped_gemm import dot_precision
+from uniep.kernels.grouped_gemm import dot_precision, shared_memory_bytes, smem_limit
 from uniep.kernels.launch import cdiv, launcher, next_power_of_2
 
 _ROWS = 16  # tokens per program
@@ -225,16 +225,35 @@ class GateTiles:
     within a step) and ``rows`` (which dot instruction) may change the logits' last bits.
     ``scripts/bench_router.py`` times settings against each other."""
 
-    rows: int = 32
-    """Tokens per program (at 4096 tokens, about one program per SM)."""
+    rows: int = 0
+    """Tokens per program; 0: 64 up to 128 experts, else 32 (a program's fp32 logits
+    sit in registers: 64 x 256 of them spilled when compiled for sm_90)."""
     block_k: int = 64
     """Model-dim columns per step of the dot products."""
-    num_warps: int = 0
-    """0: 4 up to 128 experts, else 8."""
-    num_stages: int = 3
+    num_warps: int = 8
+    num_stages: int = 4
+    """At most: fewer where the stages' tiles would not fit shared memory (many experts)."""
 
 
 GATE_TILES = GateTiles()
+"""Measured on an H100 (``bench_router.py``, ``benchmarks/RESULTS.md``, forty-first
+session): 64 rows, 8 warps, 4 stages was the fastest setting tried at Qwen3's 4096 and
+16384 tokens and faster than the previous default (32 rows, 4 warps up to 128 experts,
+3 stages) at the DeepSeek-V3-671B slice (32 experts), with its bits."""
+
+
+def gate_rows(tiles: GateTiles, block_e: int) -> int:
+    """Tokens per program of the gate launch (``GateTiles.rows``)."""
+    return tiles.rows or (64 if block_e <= 128 else 32)
+
+
+def gate_stages(tiles: GateTiles, block_e: int, elem_bytes: int, limit: int) -> int:
+    """The pipeline stages of the gate launch: ``tiles.num_stages``, or fewer where the
+    stages' x and weight tiles would pass ``limit`` bytes of shared memory (at least 1)."""
+    stages, rows = tiles.num_stages, gate_rows(tiles, block_e)
+    while stages > 1 and shared_memory_bytes(rows, block_e, tiles.block_k, stages, elem_bytes) > limit:
+        stages -= 1
+    return stages
 
 
 def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, *,
@@ -261,14 +280,16 @@ def router_gate_select(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
     top_TK, idx_TK = _choice_outputs(x_TD, top_k, topk_idx_TK)
     if T:
         block_e = max(16, next_power_of_2(E))  # a dot's tile is at least 16 wide
-        launcher(_router_gate_kernel)[(cdiv(T, tiles.rows),)](
+        rows = gate_rows(tiles, block_e)
+        launcher(_router_gate_kernel)[(cdiv(T, rows),)](
             x_TD, weight_ED, bias_E, logits_TE, None if expert_bias_E is None else expert_bias_E.contiguous(),
             idx_TK, top_TK, T, E, D,
             x_TD.stride(0), float(route_scale), K=top_k, KP=next_power_of_2(top_k), BLOCK_E=block_e,
-            ROWS=tiles.rows, BLOCK_K=tiles.block_k, SIGMOID=sigmoid, HAS_GATE_BIAS=bias_E is not None,
+            ROWS=rows, BLOCK_K=tiles.block_k, SIGMOID=sigmoid, HAS_GATE_BIAS=bias_E is not None,
             HAS_BIAS=expert_bias_E is not None, SELECT=select, ROUTE_NORM=route_norm,
             DOT_PRECISION=dot_precision(x_TD.dtype), ACC_DTYPE=tl.float64 if x_TD.dtype == torch.float64 else tl.float32,
-            num_warps=tiles.num_warps or (4 if block_e <= 128 else 8), num_stages=tiles.num_stages)
+            num_warps=tiles.num_warps,
+            num_stages=gate_stages(tiles, block_e, x_TD.element_size(), smem_limit(x_TD.device)))
     return top_TK, idx_TK, logits_TE
 
 
