@@ -18,8 +18,8 @@ required there), and for the expert order, which is exact, that the counts and t
 order equal the default's (else the row says WRONG). A setting that cannot launch is
 reported and not timed. For comparison, the gate as two launches (cuBLAS's GEMM on
 fixed row blocks, then the choice launch): the path the fused gate replaced, and the
-one a layer with shared experts takes. ``--device cpu`` runs the Triton interpreter on the tiny shape
-(tests the script; its times say nothing).
+one a layer with shared experts takes. ``--device cpu`` runs the Triton interpreter on
+the tiny shape (tests the script; its times say nothing).
 """
 
 from __future__ import annotations

@@ -512,9 +512,9 @@ def test_ab_trees_runs_each_tree_in_its_own_process_on_cpu(tmp_path):
 
 def test_bench_router_checks_and_times_every_setting(monkeypatch):
     """bench_router.py on the CPU (tiny shape): a row per gate setting, the default's
-    bits equal to themselves, the two-launch gate's row, one row per expert-order setting with the default's
-    result; negative control: an expert order that differs is called WRONG; a setting
-    that is not a power of 2 is refused before any work."""
+    bits equal to themselves, the two-launch gate's row, one row per expert-order
+    setting with the default's result; negative control: an expert order that differs
+    is called WRONG; a setting that is not a power of 2 is refused before any work."""
     import argparse
 
     import bench_router

@@ -126,13 +126,11 @@ def compile_sm90(name: str) -> dict:
         types = dict.fromkeys(("x_ptr", "w_ptr", "gate_bias_ptr", "logits_ptr"), "*bf16")
         types |= dict(bias_ptr="*fp32", idx_ptr="*i64", top_ptr="*fp32", T="i32", E="i32", D="i32", stride_x="i32",
                       route_scale="fp32")
-        tiles = router_select.GATE_TILES
-        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=0, BLOCK_K=tiles.block_k, SIGMOID=False,
-                         HAS_GATE_BIAS=False, HAS_BIAS=False, SELECT=True, ROUTE_NORM=True, DOT_PRECISION="tf32",
-                         ACC_DTYPE=tl.float32)
-        # the launch's warps, and its stages fitted to shared memory as the launch fits them
-        block_e = changes.get("BLOCK_E", 128)
-        constants["ROWS"] = router_select.gate_rows(tiles, block_e)
+        # the launch's rows, warps and stages (fitted to shared memory as the launch fits them)
+        tiles, block_e = router_select.GATE_TILES, changes.get("BLOCK_E", 128)
+        constants = dict(K=8, KP=8, BLOCK_E=128, ROWS=router_select.gate_rows(tiles, block_e), BLOCK_K=tiles.block_k,
+                         SIGMOID=False, HAS_GATE_BIAS=False, HAS_BIAS=False, SELECT=True, ROUTE_NORM=True,
+                         DOT_PRECISION="tf32", ACC_DTYPE=tl.float32)
         num_warps = tiles.num_warps
         num_stages = router_select.gate_stages(tiles, block_e, 2, H200_SMEM_PER_BLOCK)
     elif kind == PLAN_ROWS:

@@ -16,9 +16,10 @@ device launches).
 
 Each program reads every id, so the launch's time grows with P where the sort's hardly
 does: on an H100 in the twenty-eighth session's profile, 25 us at 32768 pairs (the ops
-it replaces: 34 us) and 97 us at 131072 (they: 39 us). ``expert_order_on_triton`` therefore takes it up to ``MAX_PAIRS`` pairs,
-where it is faster on the device too, and the sort above; the host saves the four ops
-(0.2 ms of a forward's host time at 32768 pairs, ``benchmarks/RESULTS.md``).
+it replaces: 34 us) and 97 us at 131072 (they: 39 us). ``expert_order_on_triton``
+therefore takes it up to ``MAX_PAIRS`` pairs, where it is faster on the device too, and
+the sort above; the host saves the four ops (0.2 ms of a forward's host time at 32768
+pairs, ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

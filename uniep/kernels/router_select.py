@@ -29,6 +29,7 @@ these launches through ``uniep.router_op``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -247,9 +248,11 @@ def gate_rows(tiles: GateTiles, block_e: int) -> int:
     return tiles.rows or (64 if block_e <= 128 else 32)
 
 
+@functools.lru_cache(maxsize=None)
 def gate_stages(tiles: GateTiles, block_e: int, elem_bytes: int, limit: int) -> int:
     """The pipeline stages of the gate launch: ``tiles.num_stages``, or fewer where the
-    stages' x and weight tiles would pass ``limit`` bytes of shared memory (at least 1)."""
+    stages' x and weight tiles would pass ``limit`` bytes of shared memory (at least 1;
+    cached: asked at every launch)."""
     stages, rows = tiles.num_stages, gate_rows(tiles, block_e)
     while stages > 1 and shared_memory_bytes(rows, block_e, tiles.block_k, stages, elem_bytes) > limit:
         stages -= 1
