@@ -60,7 +60,7 @@ LAUNCHES = ("gather_rows", "gate_up", "down", "down_dgrad", "up_dgrad", "wgrad_d
 # knobs whose change keeps the bits (schedule only): their variants are checked bitwise,
 # the others as close
 SCHEDULE_KNOBS = {"gemm_num_warps", "gemm_num_stages", "gemm_few_rows_num_stages", "wgrad_num_warps", "wgrad_num_stages",
-                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles",
+                  "num_programs", "descriptor_loads", "descriptor_stores", "gemm_half_tiles", "gemm_prefetch_steps",
                   "swiglu_bwd_fused", "gather_in_kernel", "wgrad_expert_run", "wgrad_descriptor_stores"}
 ROUTINGS = ("random", "balanced")
 

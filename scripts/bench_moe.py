@@ -67,7 +67,7 @@ SWEEP = {
                                          "wgrad_store_desc", "half_tiles_store_descriptors")},
     "shared_stream": dict(shared_experts_stream=True),  # the shared experts on a side stream
     "one_stream": dict(shared_experts_stream=False),
-    **{name: VARIANTS[name] for name in ("program_per_tile", "gemm_bm256")},
+    **{name: VARIANTS[name] for name in ("program_per_tile", "gemm_bm256", "prefetch4", "prefetch8")},
 }
 
 

@@ -67,6 +67,9 @@ VARIANTS = {
     "wgrad_run4": dict(wgrad_expert_run=4),
     "wgrad_run8": dict(wgrad_expert_run=8),
     "wgrad_run4_bk32_s4": dict(wgrad_expert_run=4, wgrad_block_k=32, wgrad_num_stages=4),
+    # the row GEMMs ask L2 for their weights 4 or 8 steps ahead of the dots (the same bits)
+    "prefetch4": dict(gemm_prefetch_steps=4),
+    "prefetch8": dict(gemm_prefetch_steps=8),
     # weight-gradient tiles stored through descriptors (the same bits)
     "wgrad_store_desc": dict(wgrad_descriptor_stores=True),
 }

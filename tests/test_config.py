@@ -33,6 +33,8 @@ def test_from_dict_sets_values():
         ({"gemm_num_stages": 0}, r"uniep\.gemm_num_stages = 0 is not allowed; allowed values: 1\.\.8"),
         ({"gemm_few_rows_num_stages": 9},
          r"uniep\.gemm_few_rows_num_stages = 9 is not allowed; allowed values: 0 \(gemm_num_stages\), 1\.\.8"),
+        ({"gemm_prefetch_steps": 17},
+         r"uniep\.gemm_prefetch_steps = 17 is not allowed; allowed values: 0 \(off\), 1\.\.16"),
         ({"num_programs": -1}, r"uniep\.num_programs = -1 must be >= 0"),
         # bool is not an int
         ({"gemm_block_n": True}, r"uniep\.gemm_block_n = True must be an integer"),

@@ -79,6 +79,12 @@ class UniEPConfig:
     H100; the H200's layer took the same time with either (benchmarks/RESULTS.md). A
     tuned config (``config = "auto"``) sets 0: its ``gemm_num_stages`` was measured
     for its own token count. Does not change bits."""
+    gemm_prefetch_steps: int = 0
+    """Those GEMMs ask L2 for their weights this many reduction steps ahead of the dots
+    (0..16; 0: off), beyond the pipeline stages in shared memory; on CUDA with 16-bit
+    weights (``kernels.grouped_gemm.prefetch_steps_for``; not the megakernel's
+    launches). Meant for few rows per expert, where the launches wait on the weights'
+    stream from memory. Not yet timed on a GPU. Does not change bits."""
 
     wgrad_block_m: int = 128
     """Weight-gradient tile rows (16..256, power of 2). May change bits."""
@@ -163,6 +169,9 @@ class UniEPConfig:
         for name in ("gemm_num_stages", "wgrad_num_stages"):
             if not 1 <= getattr(self, name) <= 8:
                 raise UniEPConfigError(f"{name} = {getattr(self, name)} is not allowed; allowed values: 1..8")
+        if not 0 <= self.gemm_prefetch_steps <= 16:
+            raise UniEPConfigError(f"gemm_prefetch_steps = {self.gemm_prefetch_steps} is not allowed; "
+                                   "allowed values: 0 (off), 1..16")
         if not 0 <= self.gemm_few_rows_num_stages <= 8:
             raise UniEPConfigError(f"gemm_few_rows_num_stages = {self.gemm_few_rows_num_stages} is not allowed; "
                                    "allowed values: 0 (gemm_num_stages), 1..8")

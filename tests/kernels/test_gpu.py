@@ -117,6 +117,7 @@ def test_bitwise_repeatable_and_schedule_invariant():
         dict(wgrad_descriptor_stores=not UniEPConfig().wgrad_descriptor_stores),
         dict(wgrad_expert_run=4),
         dict(wgrad_expert_run=0),
+        dict(gemm_prefetch_steps=4),
     ]
     for schedule in schedules:
         uniep.config = UniEPConfig(backend="triton", **schedule)

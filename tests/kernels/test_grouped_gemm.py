@@ -382,6 +382,48 @@ def test_row_gemms_run_deeper_where_experts_have_few_rows(monkeypatch):
     assert launched == [5, 2]
 
 
+def test_l2_prefetch_only_where_its_requests_can_be_made(monkeypatch):
+    """``gemm_prefetch_steps`` reaches the gate/up and plain GEMMs' tiles (not the weight
+    gradients'); a launch asks L2 ahead only on CUDA, with 16-bit operands and blocks a
+    whole number of 128-byte lines wide; elsewhere (the interpreter runs no inline
+    assembly) and by default, PREFETCH is 0."""
+    import dataclasses
+
+    import uniep.kernels.grouped_gemm as gg
+    from uniep.config import UniEPConfig
+    from uniep.kernels.grouped_gemm import ExpertTiles, prefetch_steps_for
+
+    tiles = ExpertTiles.from_config(UniEPConfig(gemm_prefetch_steps=6))
+    assert (tiles.gemm.prefetch_steps, tiles.up.prefetch_steps, tiles.wgrad.prefetch_steps) == (6, 6, 0)
+    assert ExpertTiles.from_config(UniEPConfig()).gemm.prefetch_steps == 0
+
+    class OnCuda:  # what the check reads of a CUDA tensor
+        is_cuda = True
+
+        def __init__(self, element_size):
+            self.element_size = lambda: element_size
+
+    assert prefetch_steps_for(tiles.gemm, OnCuda(2)) == 6
+    assert prefetch_steps_for(tiles.gemm, OnCuda(4)) == 0  # float32: not one line per 64 elements
+    assert prefetch_steps_for(dataclasses.replace(tiles.gemm, block_k=32), OnCuda(2)) == 0
+    assert prefetch_steps_for(dataclasses.replace(tiles.gemm, block_n=32), OnCuda(2)) == 0
+    assert prefetch_steps_for(tiles.gemm, torch.zeros(2, dtype=torch.bfloat16)) == 0  # CPU
+
+    launched = []
+
+    class Launch:  # records the launch's PREFETCH instead of launching
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["PREFETCH"])
+
+    monkeypatch.setattr(gg, "launcher", lambda fn: Launch())
+    monkeypatch.setattr(gg, "prefetch_steps_for", lambda t, a: t.prefetch_steps)  # as on CUDA
+    counts = torch.tensor([3, 5])
+    for t in (tiles.gemm, dataclasses.replace(tiles.gemm, prefetch_steps=0)):
+        grouped_gemm(torch.zeros(8, 16), torch.zeros(2, 32, 16), row_tiles(counts, t.block_m, 8), 8, transpose_w=True,
+                     tiles=t)
+    assert launched == [6, 0]
+
+
 @pytest.mark.parametrize("halves", [1, 2])
 @pytest.mark.parametrize("run", [0, 2])
 def test_wgrad_descriptor_stores_give_the_pointer_stores_bits(halves, run):

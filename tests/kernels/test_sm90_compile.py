@@ -57,6 +57,12 @@ CASES = {
     "down input gradient, descriptor stores": (GEMM, dict(MODE=0, B_TRANSPOSED=False, C_DESC=True)),
     "SwiGLU backward epilogue, descriptor stores": (GEMM, dict(MODE=2, B_TRANSPOSED=False, BLOCK_N=128, C_DESC=True)),
     "gate/up, half tiles and descriptor stores": (GEMM, dict(MODE=1, BLOCK_N=128, C_DESC=True, HALF_TILES=True)),
+    # the weights asked of L2 ahead of the dots (``GemmTiles.prefetch_steps``): B stored
+    # transposed (gate/up, down), as is (down input gradient), two of them (DUAL)
+    "gate/up, L2 prefetch": (GEMM, dict(MODE=1, BLOCK_N=128, PREFETCH=4)),
+    "down, scattered to (token, k), L2 prefetch": (GEMM, dict(MODE=0, HAS_C_ROW=True, PREFETCH=4)),
+    "down input gradient, L2 prefetch": (GEMM, dict(MODE=0, B_TRANSPOSED=False, PREFETCH=4)),
+    "up input gradient, L2 prefetch": (GEMM, dict(MODE=3, B_TRANSPOSED=False, HAS_C_ROW=True, PREFETCH=4)),
     "w2 gradient": (WGRAD, dict(HALVES=1)),
     "w1/w3 gradient": (WGRAD, dict(HALVES=2)),
     "w2 gradient, runs of one expert's tiles": (WGRAD, dict(HALVES=1, EXPERT_RUN=4)),
@@ -116,7 +122,7 @@ def compile_sm90(name: str) -> dict:
                       table_ptr="*i32")
         constants = dict(MODE=0, HAS_A_ROW=False, HAS_A_SCALE=False, HAS_C_ROW=False, A_DESC=True, B_DESC=True,
                          B_TRANSPOSED=True, C_DESC=False, HALF_TILES=False, NUM_PROGRAMS=132,
-                         BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32")
+                         BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_PRECISION="tf32", PREFETCH=0)
     elif kind == EXPERT_ORDER:
         kernel = expert_order._expert_order_kernel
         types = dict(ids_ptr="*i64", counts_ptr="*i64", order_ptr="*i64", num_pairs="i32", num_experts="i32")
@@ -173,8 +179,9 @@ def compile_sm90(name: str) -> dict:
     except Exception as e:  # reported to the test, which decides
         cause = e.__cause__ or e
         return {"error": f"{type(e).__name__}: {type(cause).__name__}: {cause}"[-2000:]}
+    ptx = compiled.asm["ptx"]
     return {"scratch": compiled.metadata.global_scratch_size, "shared": compiled.metadata.shared,
-            "stack": _stack_bytes(compiled.asm["cubin"])}
+            "stack": _stack_bytes(compiled.asm["cubin"]), "l2_prefetches": ptx.count("prefetch.global.L2")}
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -241,6 +248,22 @@ def test_gate_launch_keeps_its_logits_in_registers(compiled, name):
     if stack is None:
         pytest.skip("no cuobjdump with this Triton")
     assert stack == 0, stack
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith(", L2 prefetch")])
+def test_l2_prefetch_keeps_the_pipeline(compiled, name):
+    """With the weights asked of L2 ahead, the launch compiles the requests into its
+    loop and keeps what it had without them: the same pipeline stages in shared memory
+    (a loop the pipeliner gave up on would hold fewer) and about the same stack (this
+    test's specialization, only the pointers marked 16-divisible, spills where real
+    launches do not: Triton 3.6 gave 912-1344 bytes per thread either way, the requests
+    adding at most 184). Without them, no request (the control)."""
+    with_prefetch, without = compiled[name], compiled[name.removesuffix(", L2 prefetch")]
+    assert "error" not in with_prefetch, with_prefetch.get("error")
+    assert with_prefetch["l2_prefetches"] > 0 and without["l2_prefetches"] == 0
+    assert with_prefetch["shared"] == without["shared"]
+    if without["stack"] is not None:
+        assert with_prefetch["stack"] <= without["stack"] + 256
 
 
 def test_the_controls_fail_here(compiled):

@@ -118,6 +118,13 @@ class GemmTiles:
     few_rows_stages: int = 0
     """Row GEMMs: the pipelining depth where a launch's experts average at most
     ``FEW_ROWS_PER_EXPERT`` rows (``stages_for_rows``); 0, ``num_stages`` there too."""
+    prefetch_steps: int = 0
+    """Row GEMMs: while the dots run step ``k``, ask L2 for the weights of step ``k +
+    prefetch_steps`` (one request per 128-byte line, ``_prefetch_weights``), beyond the
+    pipeline's own stages in shared memory; 0, off. Where experts have few rows each
+    weight byte comes from DRAM for only two or three row tiles, and the launches wait on
+    that stream (benchmarks/RESULTS.md). Only on CUDA, for 16-bit operands in 64-wide
+    blocks (``prefetch_steps_for``); the bits are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -235,7 +242,7 @@ class ExpertTiles:
         programs = c.num_programs or None
         gemm = GemmTiles(c.gemm_block_m, c.gemm_block_n, c.gemm_block_k, c.gemm_num_warps, c.gemm_num_stages,
                          programs, c.descriptor_loads, c.gemm_half_tiles, c.descriptor_stores,
-                         few_rows_stages=c.gemm_few_rows_num_stages)
+                         few_rows_stages=c.gemm_few_rows_num_stages, prefetch_steps=c.gemm_prefetch_steps)
         wgrad = GemmTiles(c.wgrad_block_m, c.wgrad_block_n, c.wgrad_block_k, c.wgrad_num_warps,
                           c.wgrad_num_stages, programs, c.descriptor_loads, store_descriptors=c.wgrad_descriptor_stores,
                           expert_run=c.wgrad_expert_run)
@@ -272,6 +279,32 @@ def _b_tile(b_base, b_desc, e, k, n0, ks, mask_k, cols, mask_n, stride_bk, strid
     return b
 
 
+PREFETCH_LINE = 64
+"""16-bit elements in one 128-byte line: what one L2 prefetch request asks for."""
+_PREFETCH_LINE = tl.constexpr(PREFETCH_LINE)
+
+
+@triton.jit
+def _prefetch_weights(b_base, k, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for B[e]'s (BLOCK_K, BLOCK_N) block at (k, n0): one request per 128-byte
+    line of its stored layout, (N, Kd) when B[e] is the transpose, else (Kd, N); lanes
+    past the edges ask for B[e]'s first line instead. A hint: nothing is loaded into
+    registers, and the dots' own loads stay as they are."""
+    if B_TRANSPOSED:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ks = k + tl.arange(0, BLOCK_K // _PREFETCH_LINE) * _PREFETCH_LINE
+        inside = (cols[:, None] < N) & (ks[None, :] < Kd)
+        lines = b_base + cols[:, None] * stride_bn + ks[None, :] * stride_bk
+    else:
+        ks = k + tl.arange(0, BLOCK_K)
+        cols = n0 + tl.arange(0, BLOCK_N // _PREFETCH_LINE) * _PREFETCH_LINE
+        inside = (ks[:, None] < Kd) & (cols[None, :] < N)
+        lines = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [tl.where(inside, lines, b_base)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _tile_accumulate(
     e, a_rows, mask_m, cols, mask_n, scale,
@@ -280,16 +313,24 @@ def _tile_accumulate(
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     a_desc=None, a2_desc=None, b_desc=None, b2_desc=None, row0=0, n0=0,
     A_DESC: tl.constexpr = False, B_DESC: tl.constexpr = False, B_TRANSPOSED: tl.constexpr = False,
+    N=0, PREFETCH: tl.constexpr = 0,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
     The reduction runs over Kd in order, so the bits depend on BLOCK_K only (not on
-    whether the operands come through descriptors or pointers)."""
+    whether the operands come through descriptors or pointers, nor on ``PREFETCH``:
+    steps ahead whose weights are asked of L2, ``GemmTiles.prefetch_steps``; N is read
+    only for that)."""
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, Kd, BLOCK_K):
+        if PREFETCH > 0:
+            ahead = k + PREFETCH * BLOCK_K
+            _prefetch_weights(b_base, ahead, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+            if MODE == _SWIGLU_FWD:
+                _prefetch_weights(b2_base, ahead, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
         ks = k + offs_k
         mask_k = ks < Kd
         a = _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
@@ -304,6 +345,9 @@ def _tile_accumulate(
             acc3 = tl.dot(a, b3, acc3, input_precision=DOT_PRECISION)
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
+            if PREFETCH > 0:
+                _prefetch_weights(b2_base, k + PREFETCH * BLOCK_K, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED,
+                                  BLOCK_K, BLOCK_N)
             ks = k + offs_k
             mask_k = ks < Kd
             a2 = _a_tile(a2_ptr, a2_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
@@ -380,6 +424,7 @@ def _row_tile(
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
     rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
@@ -395,7 +440,7 @@ def _row_tile(
     acc, acc3 = _tile_accumulate(
         e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
         Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED,
+        DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED, N, PREFETCH,
     )
     _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                 c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE,
@@ -420,6 +465,7 @@ def _grouped_gemm_kernel(
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, B_TRANSPOSED: tl.constexpr, C_DESC: tl.constexpr,
     HALF_TILES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Descriptors built here, once per program, not on the host for every launch (that
@@ -472,13 +518,13 @@ def _grouped_gemm_kernel(
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
-                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, PREFETCH)
         else:
             _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
-                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, PREFETCH)
         e, row0, row_end = next_e, next_row0, next_row_end
 
 
@@ -497,6 +543,16 @@ def programs_per_sm(tiles: GemmTiles, elem_bytes: int, device: torch.device, mod
     smem = shared_memory_bytes(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, elem_bytes,
                                b_tiles=2 if mode == SWIGLU_FWD else 1, c_tiles=int(tiles.store_descriptors))
     return max(1, min(3, 65536 // (threads * regs), smem_limit(device) // smem))
+
+
+def prefetch_steps_for(tiles: GemmTiles, a: torch.Tensor) -> int:
+    """The launch's ``PREFETCH``: ``tiles.prefetch_steps`` where its requests can be
+    made (a CUDA device; 16-bit operands, so a line is ``PREFETCH_LINE`` elements; blocks
+    whole lines wide), else 0. The CPU interpreter runs no inline assembly."""
+    if (tiles.prefetch_steps and a.is_cuda and a.element_size() == 2
+            and tiles.block_k % PREFETCH_LINE == 0 and tiles.block_n % PREFETCH_LINE == 0):
+        return tiles.prefetch_steps
+    return 0
 
 
 def _num_programs(tiles: GemmTiles, device: torch.device, upper_tiles: int, per_sm: int) -> int:
@@ -629,7 +685,7 @@ def grouped_gemm(
         A_DESC=a_desc, B_DESC=b_desc, B_TRANSPOSED=transpose_w, C_DESC=c_desc, HALF_TILES=half_tiles,
         NUM_PROGRAMS=programs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=dot_precision(a.dtype),
+        DOT_PRECISION=dot_precision(a.dtype), PREFETCH=prefetch_steps_for(tiles, a),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if mode == SWIGLU_FWD:
