@@ -120,8 +120,9 @@ class GemmTiles:
     ``FEW_ROWS_PER_EXPERT`` rows (``stages_for_rows``); 0, ``num_stages`` there too."""
     prefetch_steps: int = 0
     """Row GEMMs: while the dots run step ``k``, ask L2 for the weights of step ``k +
-    prefetch_steps`` (one request per 128-byte line, ``_prefetch_weights``), beyond the
-    pipeline's own stages in shared memory; 0, off. Where experts have few rows each
+    prefetch_steps`` (one request per 128-byte line, ``_prefetch_weights``; past the
+    loop's end, the first steps of the B read next: the second loop's, or the program's
+    next tile's), beyond the pipeline's own stages in shared memory; 0, off. Where experts have few rows each
     weight byte comes from DRAM for only two or three row tiles, and the launches wait on
     that stream (benchmarks/RESULTS.md). Only on CUDA, for 16-bit operands in 64-wide
     blocks (``prefetch_steps_for``); the bits are the same."""
@@ -285,24 +286,37 @@ _PREFETCH_LINE = tl.constexpr(PREFETCH_LINE)
 
 
 @triton.jit
-def _prefetch_weights(b_base, k, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED: tl.constexpr,
+def _prefetch_weights(b_base, k, n0, valid, Kd, N, stride_bk, stride_bn, B_TRANSPOSED: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask L2 for B[e]'s (BLOCK_K, BLOCK_N) block at (k, n0): one request per 128-byte
-    line of its stored layout, (N, Kd) when B[e] is the transpose, else (Kd, N); lanes
-    past the edges ask for B[e]'s first line instead. A hint: nothing is loaded into
-    registers, and the dots' own loads stay as they are."""
+    """Ask L2 for B[e]'s (BLOCK_K, BLOCK_N) block at (k, n0) if ``valid``: one request
+    per 128-byte line of its stored layout, (N, Kd) when B[e] is the transpose, else (Kd,
+    N); lanes past the edges ask for B[e]'s first line instead. A hint: nothing is loaded
+    into registers, and the dots' own loads stay as they are."""
     if B_TRANSPOSED:
         cols = n0 + tl.arange(0, BLOCK_N)
         ks = k + tl.arange(0, BLOCK_K // _PREFETCH_LINE) * _PREFETCH_LINE
-        inside = (cols[:, None] < N) & (ks[None, :] < Kd)
+        inside = (cols[:, None] < N) & (ks[None, :] < Kd) & valid
         lines = b_base + cols[:, None] * stride_bn + ks[None, :] * stride_bk
     else:
         ks = k + tl.arange(0, BLOCK_K)
         cols = n0 + tl.arange(0, BLOCK_N // _PREFETCH_LINE) * _PREFETCH_LINE
-        inside = (ks[:, None] < Kd) & (cols[None, :] < N)
+        inside = (ks[:, None] < Kd) & (cols[None, :] < N) & valid
         lines = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [tl.where(inside, lines, b_base)],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_ahead(ahead, here_base, n0, there_base, there_n0, there_valid, Kd, N, stride_bk, stride_bn,
+                    B_TRANSPOSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weights of reduction step ``ahead`` (an offset along Kd) asked of L2: of this
+    loop's B (``here_base``, columns ``n0...``) while ``ahead`` is inside it, past its end
+    of the B the program reads next (``there_base``, columns ``there_n0...``, if
+    ``there_valid``): the same tile's second loop, or the program's next tile."""
+    here = ahead < Kd
+    _prefetch_weights(tl.where(here, here_base, there_base), tl.where(here, ahead, ahead - Kd),
+                      tl.where(here, n0, there_n0), here | there_valid, Kd, N, stride_bk, stride_bn,
+                      B_TRANSPOSED, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -313,24 +327,33 @@ def _tile_accumulate(
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     a_desc=None, a2_desc=None, b_desc=None, b2_desc=None, row0=0, n0=0,
     A_DESC: tl.constexpr = False, B_DESC: tl.constexpr = False, B_TRANSPOSED: tl.constexpr = False,
-    N=0, PREFETCH: tl.constexpr = 0,
+    N=0, PREFETCH: tl.constexpr = 0, next_e=0, next_n0=0, has_next=False,
 ):
     """fp32 accumulators (acc, acc3) of one tile; acc3 is only meaningful in SWIGLU_FWD.
     The reduction runs over Kd in order, so the bits depend on BLOCK_K only (not on
     whether the operands come through descriptors or pointers, nor on ``PREFETCH``:
-    steps ahead whose weights are asked of L2, ``GemmTiles.prefetch_steps``; N is read
-    only for that)."""
+    steps ahead whose weights are asked of L2, ``GemmTiles.prefetch_steps``, past the
+    loop's end those of the program's next tile, expert ``next_e`` at column
+    ``next_n0`` if ``has_next``; these and N are read only for that)."""
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
+    next_b_base = b_ptr + next_e.to(tl.int64) * stride_be
+    next_b2_base = b2_ptr + next_e.to(tl.int64) * stride_be
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, Kd, BLOCK_K):
         if PREFETCH > 0:
             ahead = k + PREFETCH * BLOCK_K
-            _prefetch_weights(b_base, ahead, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+            if MODE == _DUAL:  # past the end: this tile's second loop, over B2
+                _prefetch_ahead(ahead, b_base, n0, b2_base, n0, True, Kd, N, stride_bk, stride_bn, B_TRANSPOSED,
+                                BLOCK_K, BLOCK_N)
+            else:
+                _prefetch_ahead(ahead, b_base, n0, next_b_base, next_n0, has_next, Kd, N, stride_bk, stride_bn,
+                                B_TRANSPOSED, BLOCK_K, BLOCK_N)
             if MODE == _SWIGLU_FWD:
-                _prefetch_weights(b2_base, ahead, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+                _prefetch_ahead(ahead, b2_base, n0, next_b2_base, next_n0, has_next, Kd, N, stride_bk, stride_bn,
+                                B_TRANSPOSED, BLOCK_K, BLOCK_N)
         ks = k + offs_k
         mask_k = ks < Kd
         a = _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
@@ -346,8 +369,8 @@ def _tile_accumulate(
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             if PREFETCH > 0:
-                _prefetch_weights(b2_base, k + PREFETCH * BLOCK_K, n0, Kd, N, stride_bk, stride_bn, B_TRANSPOSED,
-                                  BLOCK_K, BLOCK_N)
+                _prefetch_ahead(k + PREFETCH * BLOCK_K, b2_base, n0, next_b_base, next_n0, has_next, Kd, N,
+                                stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
             ks = k + offs_k
             mask_k = ks < Kd
             a2 = _a_tile(a2_ptr, a2_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
@@ -418,7 +441,7 @@ def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_b
 
 @triton.jit
 def _row_tile(
-    e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
+    e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
     aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
@@ -426,7 +449,8 @@ def _row_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns ``n0...``."""
+    """One (BLOCK_M, BLOCK_N) output tile at rows ``row0...`` (up to ``row_end``), columns
+    ``n0...``; the program's next tile (``next_e``, ``next_n0``, ``has_next``) for the L2 prefetch."""
     rows, mask_m, cols, mask_n = tile_span(row0, row_end, n0, N, BLOCK_M, BLOCK_N)
     if HAS_A_ROW:
         a_rows = tl.load(a_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
@@ -441,6 +465,7 @@ def _row_tile(
         e, a_rows, mask_m, cols, mask_n, scale, a_ptr, a2_ptr, b_ptr, b2_ptr,
         Kd, stride_am, stride_be, stride_bk, stride_bn, MODE, HAS_A_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
         DOT_PRECISION, a_desc, a2_desc, b_desc, b2_desc, row0, n0, A_DESC, B_DESC, B_TRANSPOSED, N, PREFETCH,
+        next_e, next_n0, has_next,
     )
     _tile_store(acc, acc3, rows, mask_m, cols, mask_n, c_rows,
                 c_ptr, c2_ptr, aux1_ptr, aux3_ptr, stride_cm, stride_auxm, MODE,
@@ -511,16 +536,18 @@ def _grouped_gemm_kernel(
         next_tile = tile + NUM_PROGRAMS
         next_e, next_row0, next_row_end = row_block(table_ptr, next_tile // n_tiles, next_tile < total_tiles)
         n0 = (tile % n_tiles) * BLOCK_N
+        next_n0 = (next_tile % n_tiles) * BLOCK_N
+        has_next = next_row_end > next_row0
         if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
             # An expert's last tile with at most half its rows: the dot on half as many
             # rows (each row's dot product is the same, so are its bits), stored through pointers.
-            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
                       BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, PREFETCH)
         else:
-            _row_tile(e, row0, row_end, n0, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
+            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
                       c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                       stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
