@@ -122,10 +122,10 @@ class GemmTiles:
     """Row GEMMs: while the dots run step ``k``, ask L2 for the weights of step ``k +
     prefetch_steps`` (one request per 128-byte line, ``_prefetch_weights``; past the
     loop's end, the first steps of the B read next: the second loop's, or the program's
-    next tile's), beyond the pipeline's own stages in shared memory; 0, off. Where experts have few rows each
-    weight byte comes from DRAM for only two or three row tiles, and the launches wait on
-    that stream (benchmarks/RESULTS.md). Only on CUDA, for 16-bit operands in 64-wide
-    blocks (``prefetch_steps_for``); the bits are the same."""
+    next tile's), beyond the pipeline's own stages in shared memory; 0, off. Where
+    experts have few rows each weight byte comes from DRAM for only two or three row
+    tiles, and the launches wait on that stream (benchmarks/RESULTS.md). Only on CUDA,
+    for 16-bit operands in 64-wide blocks (``prefetch_steps_for``); the bits are the same."""
 
     def fitted(self, dtype: torch.dtype, device: torch.device, a_tiles: int = 1, b_tiles: int = 1) -> "GemmTiles":
         """These tiles, made to fit ``device``'s shared memory with ``dtype`` operands
@@ -441,7 +441,8 @@ def _weight_descriptor(w_ptr, num_experts, N, Kd, stride_be, stride_bk, stride_b
 
 @triton.jit
 def _row_tile(
-    e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
+    e, row0, row_end, n0, next_e, next_n0, has_next,
+    a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr,
     aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
     a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
     MODE: tl.constexpr, HAS_A_ROW: tl.constexpr, HAS_A_SCALE: tl.constexpr, HAS_C_ROW: tl.constexpr,
@@ -541,15 +542,17 @@ def _grouped_gemm_kernel(
         if HALF_TILES and row_end - row0 <= BLOCK_M // 2:
             # An expert's last tile with at most half its rows: the dot on half as many
             # rows (each row's dot product is the same, so are its bits), stored through pointers.
-            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next,
+                      a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr, aux1_ptr, aux3_ptr,
+                      N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
+                      a_half_desc, a2_half_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, False,
                       BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, PREFETCH)
         else:
-            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next, a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr,
-                      c_row_ptr, aux1_ptr, aux3_ptr, N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_auxm, a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
+            _row_tile(e, row0, row_end, n0, next_e, next_n0, has_next,
+                      a_ptr, a2_ptr, a_row_ptr, a_scale_ptr, b_ptr, b2_ptr, c_ptr, c2_ptr, c_row_ptr, aux1_ptr, aux3_ptr,
+                      N, Kd, stride_am, stride_be, stride_bk, stride_bn, stride_cm, stride_auxm,
+                      a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, aux1_desc, aux3_desc,
                       MODE, HAS_A_ROW, HAS_A_SCALE, HAS_C_ROW, A_DESC, B_DESC, B_TRANSPOSED, C_DESC,
                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, PREFETCH)
         e, row0, row_end = next_e, next_row0, next_row_end
