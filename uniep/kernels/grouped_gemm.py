@@ -307,13 +307,15 @@ def _prefetch_weights(b_base, k, n0, valid, Kd, N, stride_bk, stride_bn, B_TRANS
 
 
 @triton.jit
-def _prefetch_ahead(ahead, here_base, n0, there_base, there_n0, there_valid, Kd, N, stride_bk, stride_bn,
-                    B_TRANSPOSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _prefetch_ahead(ahead, here_base, n0, there_ptr, there_e, there_n0, there_valid, Kd, N, stride_be, stride_bk,
+                    stride_bn, B_TRANSPOSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weights of reduction step ``ahead`` (an offset along Kd) asked of L2: of this
     loop's B (``here_base``, columns ``n0...``) while ``ahead`` is inside it, past its end
-    of the B the program reads next (``there_base``, columns ``there_n0...``, if
-    ``there_valid``): the same tile's second loop, or the program's next tile."""
+    of the B the program reads next (expert ``there_e`` of ``there_ptr``, columns
+    ``there_n0...``, if ``there_valid``): the same tile's second loop, or the program's
+    next tile."""
     here = ahead < Kd
+    there_base = there_ptr + there_e.to(tl.int64) * stride_be
     _prefetch_weights(tl.where(here, here_base, there_base), tl.where(here, ahead, ahead - Kd),
                       tl.where(here, n0, there_n0), here | there_valid, Kd, N, stride_bk, stride_bn,
                       B_TRANSPOSED, BLOCK_K, BLOCK_N)
@@ -338,22 +340,20 @@ def _tile_accumulate(
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be
     b2_base = b2_ptr + e.to(tl.int64) * stride_be
-    next_b_base = b_ptr + next_e.to(tl.int64) * stride_be
-    next_b2_base = b2_ptr + next_e.to(tl.int64) * stride_be
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, Kd, BLOCK_K):
         if PREFETCH > 0:
             ahead = k + PREFETCH * BLOCK_K
             if MODE == _DUAL:  # past the end: this tile's second loop, over B2
-                _prefetch_ahead(ahead, b_base, n0, b2_base, n0, True, Kd, N, stride_bk, stride_bn, B_TRANSPOSED,
-                                BLOCK_K, BLOCK_N)
+                _prefetch_ahead(ahead, b_base, n0, b2_ptr, e, n0, True, Kd, N, stride_be, stride_bk, stride_bn,
+                                B_TRANSPOSED, BLOCK_K, BLOCK_N)
             else:
-                _prefetch_ahead(ahead, b_base, n0, next_b_base, next_n0, has_next, Kd, N, stride_bk, stride_bn,
-                                B_TRANSPOSED, BLOCK_K, BLOCK_N)
+                _prefetch_ahead(ahead, b_base, n0, b_ptr, next_e, next_n0, has_next, Kd, N, stride_be, stride_bk,
+                                stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
             if MODE == _SWIGLU_FWD:
-                _prefetch_ahead(ahead, b2_base, n0, next_b2_base, next_n0, has_next, Kd, N, stride_bk, stride_bn,
-                                B_TRANSPOSED, BLOCK_K, BLOCK_N)
+                _prefetch_ahead(ahead, b2_base, n0, b2_ptr, next_e, next_n0, has_next, Kd, N, stride_be, stride_bk,
+                                stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
         ks = k + offs_k
         mask_k = ks < Kd
         a = _a_tile(a_ptr, a_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
@@ -369,8 +369,8 @@ def _tile_accumulate(
     if MODE == _DUAL:
         for k in range(0, Kd, BLOCK_K):
             if PREFETCH > 0:
-                _prefetch_ahead(k + PREFETCH * BLOCK_K, b2_base, n0, next_b_base, next_n0, has_next, Kd, N,
-                                stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
+                _prefetch_ahead(k + PREFETCH * BLOCK_K, b2_base, n0, b_ptr, next_e, next_n0, has_next, Kd, N,
+                                stride_be, stride_bk, stride_bn, B_TRANSPOSED, BLOCK_K, BLOCK_N)
             ks = k + offs_k
             mask_k = ks < Kd
             a2 = _a_tile(a2_ptr, a2_desc, a_rows, row0, k, ks, mask_m, mask_k, stride_am, A_DESC)
